@@ -1,0 +1,1 @@
+"""hf-invisiblelora: lossless fast multi-LoRA decoding for Transformers + PEFT."""

@@ -1,0 +1,1 @@
+"""Batched multi-LoRA kernels (installed as ``hf_invisiblelora.kernels``)."""
