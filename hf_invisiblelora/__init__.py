@@ -1,1 +1,12 @@
-"""hf-invisiblelora: lossless fast multi-LoRA decoding for Transformers + PEFT."""
+"""hf-invisiblelora: lossless fast multi-LoRA decoding for Transformers + PEFT.
+
+``import hf_invisiblelora`` makes ``generate()`` of PEFT causal-LM models accept
+``invisible_lora=True``; ``hf_invisiblelora.generate(model, ...)`` does the same without the flag.
+"""
+
+from .api import generate, install
+from .stats import DecodingStats
+
+install()
+
+__all__ = ["generate", "install", "DecodingStats"]

@@ -1,0 +1,166 @@
+"""The InvisibleLoRA decoding loop: prefill, then cycles of draft -> verify -> accept -> commit.
+
+Token buffer ``tokens`` [B, P + max_new + K + 1]: the (left-padded) prompt at 0..P-1, then each
+row's generated tokens; ``gen[b]`` of them are committed. Cache slot j holds token j's key/value
+(see cache.py), so the last committed token ``tokens[b, P + gen[b] - 1]`` is the only committed
+token not yet in the cache, and it is where each cycle starts:
+
+    draft   (LoRA off, k passes of 1 token): d_1..d_k written to tokens[P+gen .. P+gen+k-1]
+            and their speculative KV to the same slots - 1
+    verify  (LoRA on, 1 pass of k+1 tokens): [last, d_1..d_k] at slots P+gen-1 .., overwriting
+            the draft KV with LoRA-on KV; target scores for k+1 positions
+    accept  n drafts per row (acceptance.py), plus one target token
+    commit  cut at EOS / stopping criteria / max length; gen += kept
+
+The host learns each row's counts once per cycle (one device sync); everything else is batched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .acceptance import accept_greedy, accept_sampling, sample
+from .cache import HybridCache
+from .gate import choose_k
+from .ragged import first_stop, process_scores, split_criteria
+from .stats import DecodingStats
+
+
+@dataclass
+class InvisibleLoRAOutput(GenerateDecoderOnlyOutput):
+    """``generate(..., return_dict_in_generate=True)`` output: ``sequences`` plus ``stats``."""
+
+    stats: DecodingStats | None = None
+
+
+def forward(model, cache: HybridCache, ids, start, kv_len: int, keep: int):
+    """One model pass over ``ids`` [B, q] written at per-row cache slots ``start`` [B]; logits of the last ``keep``."""
+    mask, position_ids = cache.prepare(start, ids.shape[1], kv_len, model.dtype)
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=keep
+    )
+    return out.logits
+
+
+def draft(model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors, do_sample, generator):
+    """k LoRA-off passes of one token per row; returns drafts [B, k] and their probabilities [B, k, V] (sampling)."""
+    lora.off()
+    last = prompt_len + gen - 1
+    x = tokens.gather(1, last[:, None])
+    drafts, probs = [], []
+    for j in range(k):
+        logits = forward(model, cache, x, last + j, prompt_len + max(gen_h) + j, keep=1)
+        scores = process_scores(processors, tokens, [prompt_len + g + j for g in gen_h], logits)[:, 0]
+        if do_sample:
+            d, q = sample(scores, generator)
+            probs.append(q)
+        else:
+            d = scores.argmax(-1)
+        tokens.scatter_(1, (prompt_len + gen + j)[:, None], d[:, None])
+        drafts.append(d)
+        x = d[:, None]
+    empty = tokens.new_zeros(tokens.shape[0], 0)
+    return (torch.stack(drafts, 1) if drafts else empty), (torch.stack(probs, 1) if probs else None)
+
+
+def verify(model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors):
+    """One LoRA-on pass over [last, d_1..d_k] per row; returns processed target scores [B, k+1, V]."""
+    lora.on(k + 1)
+    start = prompt_len + gen - 1
+    ids = tokens.gather(1, start[:, None] + torch.arange(k + 1, device=tokens.device))
+    logits = forward(model, cache, ids, start, prompt_len + max(gen_h) + k, keep=k + 1)
+    return process_scores(processors, tokens, [prompt_len + g for g in gen_h], logits)
+
+
+def accept(drafts, draft_probs, target_scores, do_sample, generator):
+    if do_sample:
+        return accept_sampling(drafts, draft_probs, target_scores, generator)
+    return accept_greedy(drafts, target_scores)
+
+
+def commit(tokens, gen, done, n, next_token, k, prompt_len, max_new, eos, criteria, pad_id):
+    """Append each active row's accepted drafts + next token, cut at EOS / stopping criteria / max length.
+
+    Returns (kept [B], done [B], kept and done as host lists): the host learns them here, the
+    cycle's one device sync (two when stopping criteria beyond EOS / max length are set).
+    """
+    tokens.scatter_(1, (prompt_len + gen + n)[:, None], next_token[:, None])
+    kept = torch.where(done, 0, n + 1).clamp_(max=max_new - gen)
+    if eos is not None:
+        offsets = torch.arange(k + 1, device=tokens.device)
+        new = tokens.gather(1, prompt_len + gen[:, None] + offsets)
+        is_eos = torch.isin(new, eos) & (offsets < kept[:, None])
+        hit = is_eos.any(1)
+        kept = torch.where(hit, is_eos.long().argmax(1) + 1, kept)
+        done = done | hit
+    done = done | (gen + kept >= max_new)
+    kept_h, done_h = torch.stack([kept, done.long()]).tolist()
+    if criteria:
+        kept, stopped = first_stop(criteria, tokens, prompt_len + gen + kept, kept_h, pad_id)
+        done = done | stopped
+        kept_h, done_h = torch.stack([kept, done.long()]).tolist()
+    return kept, done, kept_h, done_h
+
+
+def run(model, input_ids, attention_mask, lora, processors, stopping_criteria, config, *, max_draft_tokens, gate,
+        streamer=None, generator=None, stats: DecodingStats):
+    """Decode ``input_ids`` [B, P] (left-padded) to ``config.max_length``; returns sequences [B, P + new]."""
+    b, prompt_len = input_ids.shape
+    device = input_ids.device
+    max_new = config.max_length - prompt_len
+    do_sample = bool(config.do_sample)
+    pad_id = int(config._pad_token_tensor) if config._pad_token_tensor is not None else 0
+    eos = config._eos_token_tensor
+    eos = eos.reshape(-1).to(device) if eos is not None else None
+    criteria = split_criteria(stopping_criteria)
+    pad = (attention_mask == 0).sum(1) if attention_mask is not None else input_ids.new_zeros(b)
+
+    tokens = input_ids.new_full((b, prompt_len + max_new + max_draft_tokens + 1), pad_id)
+    tokens[:, :prompt_len] = input_ids
+    cache = HybridCache(model.config, pad, prompt_len + max_new + max_draft_tokens)
+    gen = input_ids.new_zeros(b)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    drafted, accepted = gen.clone(), gen.clone()
+    gen_h = [0] * b
+
+    # Prefill: the prompt with LoRA on; its last position gives the first token (a verify of k = 0).
+    lora.on(prompt_len)
+    logits = forward(model, cache, input_ids, input_ids.new_zeros(b), prompt_len, keep=1)
+    scores = process_scores(processors, tokens, [prompt_len] * b, logits)
+    drafts, draft_probs, k = tokens.new_zeros(b, 0), None, 0
+    while True:
+        n, next_token = accept(drafts, draft_probs, scores, do_sample, generator)
+        active = ~done
+        drafted += active * k
+        accepted += active * n
+        kept, done, kept_h, done_h = commit(
+            tokens, gen, done, n, next_token, k, prompt_len, max_new, eos, criteria, pad_id
+        )
+        if streamer is not None and kept_h[0]:
+            streamer.put(tokens[0, prompt_len + gen_h[0] : prompt_len + gen_h[0] + kept_h[0]].cpu())
+        gen += kept
+        gen_h = [g + c for g, c in zip(gen_h, kept_h)]
+        if all(done_h):
+            break
+
+        k = choose_k(gate, max_draft_tokens, lora.uses_lora, max(max_new - g for g, d in zip(gen_h, done_h) if not d))
+        stats.cycles += 1
+        stats.k_per_cycle.append(k)
+        stats.draft_passes += k
+        if k:
+            drafts, draft_probs = draft(
+                model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors, do_sample, generator
+            )
+        else:
+            drafts, draft_probs = tokens.new_zeros(b, 0), None
+        scores = verify(model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors)
+
+    if streamer is not None:
+        streamer.end()
+    stats.drafted, stats.accepted, stats.committed = drafted.tolist(), accepted.tolist(), gen_h
+    sequences = tokens[:, : prompt_len + max(gen_h)].clone()
+    past_end = torch.arange(sequences.shape[1], device=device) >= (prompt_len + gen)[:, None]
+    return sequences.masked_fill_(past_end, pad_id)
