@@ -10,6 +10,7 @@ processed as standard decoding would process them.
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 
 import torch
@@ -28,6 +29,18 @@ _SCORES_ONLY = (
     lp.InfNanRemoveLogitsProcessor,
     lp.SuppressTokensLogitsProcessor,
 )
+# Processors holding per-row tensors (indexed like the batch): subset them along with the rows.
+_PER_ROW_STATE = {lp.RepetitionPenaltyLogitsProcessor: ("prompt_ignore_length",)}
+
+
+def _for_rows(processor, rows: torch.Tensor, batch: int):
+    attrs = [a for a in _PER_ROW_STATE.get(type(processor), ()) if isinstance(getattr(processor, a), torch.Tensor)]
+    if not attrs or len(rows) == batch:
+        return processor
+    processor = copy.copy(processor)
+    for a in attrs:
+        setattr(processor, a, getattr(processor, a).to(rows.device)[rows])
+    return processor
 
 
 def process_scores(processors, tokens: torch.Tensor, lengths: list[int], scores: torch.Tensor) -> torch.Tensor:
@@ -50,7 +63,7 @@ def process_scores(processors, tokens: torch.Tensor, lengths: list[int], scores:
             idx = torch.tensor(rows, device=scores.device)
             s = scores[idx, t]
             for p in processors:
-                s = p(tokens[idx, :n], s)
+                s = _for_rows(p, idx, b)(tokens[idx, :n], s)
             out[idx, t] = s
     return out
 
