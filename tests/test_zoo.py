@@ -1,0 +1,112 @@
+"""The zoo recipe's pieces on tiny inputs: text cleaning, splitting, chunking, manifest, and a
+three-step build on a tiny random model (no network, no real corpora)."""
+
+import json
+import random
+
+import pytest
+
+from hf_invisiblelora import corpora, zoo
+
+
+def test_normalize_collapses_blank_lines_and_trailing_space():
+    assert corpora.normalize("a  \r\nb\r\n\n\n\n\tc \n") == "a\nb\n\n\tc"
+
+
+def test_brown_detag_strips_tags_and_restores_prose():
+    raw = "\n\n\tThe/at jury/nn said/vbd ``/`` no/at ''/'' ,/, (/( it/pps )/) ./.\n\n\n\tNext/ap one/cd ./.\n"
+    assert corpora.brown_detag(raw) == 'The jury said " no ", (it).\n\nNext one.'
+
+
+def test_gutenberg_body_drops_the_title_line_only():
+    raw = "[Emma by Jane Austen 1816]\n\nVOLUME I\n\nCHAPTER I [1]\n"
+    assert corpora.gutenberg_body(raw) == "VOLUME I\n\nCHAPTER I [1]"
+
+
+def test_split_fortunes_and_overstrikes():
+    raw = "First quip.\n%\nSecond\n\t-- Author\n%\nB\bBo\bol\bld\bd\n%\n"
+    assert corpora.split_fortunes(raw) == ["First quip.", "Second\n\t-- Author", "Bold"]
+
+
+def test_email_text_keeps_subject_and_body_without_headers():
+    raw = "From: a@b.c\r\nSubject: Re: lunch\r\nReceived: by x\r\n\r\nSee you at noon.\r\n\r\n-- \r\nA\r\n"
+    assert corpora.email_text(raw) == "Subject: Re: lunch\n\nSee you at noon.\n\n--\nA"
+    assert corpora.email_text("From: a\n\nbody") == "body"
+
+
+def test_split_heldout_is_seeded_disjoint_and_cut_on_lines():
+    docs = [f"doc {i} line {j}" for i in range(50) for j in range(1)]
+    train, held = corpora.split_heldout(docs, seed=3)
+    assert (train, held) == corpora.split_heldout(docs, seed=3)
+    assert corpora.split_heldout(docs, seed=4) != (train, held)
+    train_lines, held_lines = set(train.splitlines()), set(held.splitlines())
+    assert not (train_lines & held_lines - {""})
+    assert (train_lines | held_lines) - {""} == set(docs)
+    assert 0.05 < len(held) / (len(train) + len(held)) < 0.15
+    with pytest.raises(ValueError):
+        corpora.split_heldout(["   "], seed=0)
+
+
+def test_split_heldout_caps_the_text():
+    train, held = corpora.split_heldout(["x" * 50 + "\n"] * 100, seed=0, max_chars=1000)
+    assert len(train) + len(held) <= 1000
+
+
+def test_eval_and_sample_blocks():
+    ids = list(range(100))
+    assert corpora.eval_blocks(ids, 32, 10) == [ids[0:32], ids[32:64], ids[64:96]]
+    assert corpora.eval_blocks(ids, 32, 2) == [ids[0:32], ids[32:64]]
+    batch = corpora.sample_blocks(ids, 16, 5, random.Random(0))
+    assert batch == corpora.sample_blocks(ids, 16, 5, random.Random(0))
+    assert all(len(b) == 16 and b == ids[b[0] : b[0] + 16] for b in batch)
+    with pytest.raises(ValueError):
+        corpora.sample_blocks(ids[:8], 16, 1, random.Random(0))
+
+
+def test_recipes_vary_like_public_adapters():
+    smol = zoo.ZOOS["smollm2"].values()
+    assert len(zoo.ZOOS["smollm2"]) >= 12 and len(zoo.ZOOS["gemma3"]) >= 4
+    assert {r.domain for r in smol} == set(zoo.ZOOS["smollm2"])  # one adapter per domain
+    assert all(r.domain in corpora.DOMAINS for z in zoo.ZOOS.values() for r in z.values())
+    assert min(r.r for r in smol) == 4 and max(r.r for r in smol) == 64
+    assert {r.targets_label for r in smol} == {"attention", "all-linear"} and {r.rslora for r in smol} == {True, False}
+
+
+def test_manifest_round_trip_and_table(tmp_path):
+    assert zoo.read_manifest(tmp_path) == {"adapters": {}}
+    entry = {"description": "Demo text", "recipe": {"r": 4, "alpha": 8, "targets": "attention", "rslora": False},
+             "base_loss": 3.21, "adapter_loss": 2.5, "train_seconds": 12.3}
+    manifest = {"adapters": {"demo": entry}}
+    zoo.write_manifest(tmp_path / "z", manifest)
+    assert zoo.read_manifest(tmp_path / "z") == manifest and not (tmp_path / "z" / "manifest.json.tmp").exists()
+    assert not zoo.is_built(tmp_path / "z", "demo", manifest)  # listed, but no adapter file
+    assert "| demo | Demo text | 4 | 8 | attention | False | 3.210 -> 2.500 | 12 |" in zoo.table(manifest)
+    manifest["acceptance"] = {"per_adapter": {"demo": 0.75}}
+    assert zoo.table(manifest).splitlines()[-1].endswith(" 0.75 |")
+
+
+@pytest.fixture
+def tiny_world(tmp_path, monkeypatch):
+    """A tiny Llama checkpoint as the 'base model' and one in-memory text domain."""
+    from tiny import ARCHS, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    ARCHS["llama"](len(tok)).save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    monkeypatch.setenv("HF_INVISIBLELORA_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(zoo.assets, "prepare", lambda name: tmp_path / "base")
+    lines = ["the quick brown fox jumps over the lazy dog", "once upon a time there was a cat"] * 100
+    monkeypatch.setitem(corpora.DOMAINS, "toy", corpora.Domain("toy text", "in memory", lambda: lines))
+    return {"toy": zoo.Recipe("toy", r=4, alpha=8, targets=zoo.ATTENTION, steps=15, batch=2, block=16, lr=1e-2)}
+
+
+def test_build_trains_lowers_held_out_loss_and_skips_what_exists(tiny_world):
+    folder = zoo.build("tiny", recipes=tiny_world)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    entry = manifest["adapters"]["toy"]
+    assert (folder / "toy" / "adapter_model.safetensors").exists()
+    assert entry["adapter_loss"] < entry["base_loss"]
+    assert entry["recipe"]["targets"] == "attention" and entry["train_seconds"] > 0
+    stamp = (folder / "toy" / "adapter_model.safetensors").stat().st_mtime_ns
+    zoo.build("tiny", recipes=tiny_world)  # nothing missing: nothing retrained
+    assert (folder / "toy" / "adapter_model.safetensors").stat().st_mtime_ns == stamp
