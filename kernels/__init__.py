@@ -1,1 +1,100 @@
-"""Batched multi-LoRA kernels (installed as ``hf_invisiblelora.kernels``)."""
+"""Batched multi-LoRA kernels (installed as ``hf_invisiblelora.kernels``).
+
+A batch mixes adapters token by token. Per forward we compute one ``LoraMeta`` (which token uses
+which adapter slot, the tokens sorted by slot, per-slot counts and offsets) and every LoRA layer
+reuses it for two ops, Punica/vLLM style:
+
+    y   = lora_shrink(x, A, meta)      # y[i]   = scale * x[tok_i] @ A[slot(tok_i)].T
+    lora_expand(out, y, B, meta)       # out[tok_i] += y[i] @ B[slot(tok_i)].T
+
+where tok_i = meta.sorted_tokens[i] runs over the tokens that use an adapter (i < num_lora_tokens).
+Two backends implement them with identical semantics: Triton (CUDA; CPU only under
+TRITON_INTERPRET=1) and torch (everywhere). ``get_backend`` picks one; the environment variable
+HF_INVISIBLELORA_BACKEND=auto|torch|triton forces it.
+"""
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from . import torch_lora
+
+BACKEND_ENV = "HF_INVISIBLELORA_BACKEND"
+
+
+@dataclass
+class LoraMeta:
+    """Per-forward metadata shared by every LoRA layer (T tokens, S adapter slots)."""
+
+    token_slots: torch.Tensor  # [T] long: slot per token, -1 = no LoRA
+    sorted_tokens: torch.Tensor  # [T] long: tokens stably sorted by slot, no-LoRA tokens last
+    slot_counts: torch.Tensor  # [S] int32: tokens per slot
+    slot_starts: torch.Tensor  # [S] int32: index in sorted_tokens of each slot's first token
+    active: torch.Tensor  # [n_active] long: slots with at least one token, ascending
+    offsets: torch.Tensor  # [n_active] int32: cumulative token counts of the active slots
+    active_counts: list  # host copy of the active slots' counts (torch path's fallback loop)
+    num_lora_tokens: int
+    # (start, stop) when the LoRA tokens, sorted, are exactly tokens start..stop-1: then the torch
+    # path slices x and out instead of gathering and scattering rows.
+    lora_range: tuple | None
+    # Prepared weight copies for this set of active slots, filled lazily by the torch path and
+    # carried over to the next forward's metadata while the active set stays the same.
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def no_lora(self) -> bool:
+        return self.num_lora_tokens == 0
+
+
+def make_meta(token_slots: torch.Tensor, num_slots: int, previous: LoraMeta | None = None) -> LoraMeta:
+    """Semantics:
+        key[t] = token_slots[t] if token_slots[t] >= 0 else S        # no-LoRA tokens sort last
+        sorted_tokens = stable_argsort(key)
+        slot_counts[s] = #{t : token_slots[t] == s};  slot_starts = exclusive_cumsum(slot_counts)
+        active = [s for s in range(S) if slot_counts[s] > 0];  offsets = cumsum(slot_counts[active])
+    token_slots: [T] long in [-1, S). `previous`: the last forward's metadata; its weight cache is
+    reused when the active slots are the same.
+    """
+    token_slots = token_slots.long()
+    key = torch.where(token_slots < 0, num_slots, token_slots)
+    sorted_tokens = torch.sort(key, stable=True).indices
+    slot_counts = torch.bincount(key, minlength=num_slots + 1)[:num_slots]
+    active = slot_counts.nonzero().squeeze(1)
+    active_counts = slot_counts[active].tolist()
+    n = sum(active_counts)
+    lora = sorted_tokens[:n]
+    start = int(lora[0]) if n else 0
+    is_range = n and bool((lora == torch.arange(start, start + n, device=lora.device)).all())
+    meta = LoraMeta(
+        token_slots=token_slots,
+        sorted_tokens=sorted_tokens,
+        slot_counts=slot_counts.int(),
+        slot_starts=(slot_counts.cumsum(0) - slot_counts).int(),
+        active=active,
+        offsets=slot_counts[active].cumsum(0).int(),
+        active_counts=active_counts,
+        num_lora_tokens=n,
+        lora_range=(start, start + n) if is_range else None,
+    )
+    if previous is not None and torch.equal(previous.active.cpu(), active.cpu()):
+        meta.cache = previous.cache
+    return meta
+
+
+def get_backend(device: torch.device):
+    """The module (torch_lora or triton_lora) whose lora_shrink/lora_expand serve `device`."""
+    choice = os.environ.get(BACKEND_ENV, "auto")
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"{BACKEND_ENV}={choice!r}: expected auto, torch or triton")
+    if choice == "torch" or (choice == "auto" and torch.device(device).type != "cuda"):
+        return torch_lora
+    if choice == "triton":
+        from . import triton_lora  # an ImportError here is the answer to a forced backend
+
+        return triton_lora
+    try:
+        from . import triton_lora
+    except ImportError:
+        return torch_lora
+    return triton_lora

@@ -1,0 +1,156 @@
+"""Adapter bank: whole-model logits through bank + kernels equal PEFT's mixed-batch forward."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from hf_invisiblelora.bank import AdapterBank, get_bank
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=101)
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+# Different ranks, targets, alphas, rslora: a layer's stack mixes ranks and absent adapters.
+ADAPTERS = {
+    "math": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "code": LoraConfig(r=8, lora_alpha=4, target_modules=["q_proj", "k_proj", "down_proj"], use_rslora=True),
+    "chat": LoraConfig(r=2, lora_alpha=3, target_modules="all-linear"),
+    "poem": LoraConfig(r=16, lora_alpha=16, target_modules=["o_proj", "gate_proj", "up_proj"]),
+}
+
+
+def build(arch="llama", adapters=ADAPTERS, seed=0):
+    torch.manual_seed(seed)
+    config_cls, model_cls = ARCHS[arch]
+    model = model_cls(config_cls(**TINY)).double().eval()
+    pm = None
+    for name, config in adapters.items():
+        config = LoraConfig(**{**config.to_dict(), "init_lora_weights": False})  # random B: visible deltas
+        if pm is None:
+            pm = get_peft_model(model, config, adapter_name=name)
+        else:
+            pm.add_adapter(name, config)
+    return pm.eval()
+
+
+def peft_logits(pm, ids, names):
+    with torch.no_grad():
+        return pm(ids, adapter_names=names).logits
+
+
+def bank_logits(pm, ids, names):
+    bank = get_bank(pm)
+    with torch.no_grad(), bank.installed():
+        bank.set_batch(bank.slots(names) if names is not None else None, ids.shape[1])
+        return pm(ids).logits
+
+
+def assert_same(a, b):
+    assert (a - b).abs().max().item() < 1e-9
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("names", [
+    ["math", "__base__", "chat", "code", "math", "poem"],  # mixed, a no-LoRA row, a repeat
+    ["poem", "poem", "poem"],
+    ["__base__", "code"],
+    ["chat", "code", "math", "poem", "__base__", "__base__"],  # grouped rows: the sliced path
+])
+def test_logits_match_peft(arch, names):
+    pm = build(arch)
+    ids = torch.randint(0, TINY["vocab_size"], (len(names), 3))
+    assert_same(bank_logits(pm, ids, names), peft_logits(pm, ids, names))
+
+
+def test_no_lora_batch_is_the_base_model():
+    pm = build()
+    ids = torch.randint(0, TINY["vocab_size"], (3, 2))
+    base = peft_logits(pm, ids, ["__base__"] * 3)
+    assert_same(bank_logits(pm, ids, None), base)
+    assert_same(bank_logits(pm, ids, ["__base__"] * 3), base)
+    assert (base - peft_logits(pm, ids, ["math"] * 3)).abs().max() > 1e-3  # the adapters matter
+
+
+def test_cache_survives_draft_passes_and_batches_change():
+    pm = build()
+    bank = get_bank(pm)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 1))
+    with torch.no_grad(), bank.installed():
+        bank.set_batch(bank.slots(["math", "code"]), 1)
+        first = bank._meta
+        pm(ids)
+        bank.set_batch(None, 1)  # a draft pass
+        pm(ids)
+        bank.set_batch(bank.slots(["code", "math"]), 1)
+        assert bank._meta.cache is first.cache
+        assert_same(pm(ids).logits, peft_logits(pm, ids, ["code", "math"]))
+        bank.set_batch(bank.slots(["chat", "math"]), 1)
+        assert_same(pm(ids).logits, peft_logits(pm, ids, ["chat", "math"]))
+
+
+def test_get_bank_follows_add_delete_and_scale():
+    pm = build(adapters={k: ADAPTERS[k] for k in ("math", "code")})
+    ids = torch.randint(0, TINY["vocab_size"], (3, 2))
+    bank = get_bank(pm)
+    assert bank.adapter_names == ["math", "code"]
+    assert get_bank(pm) is bank and get_bank(pm)._signature is bank._signature  # no rebuild
+
+    pm.add_adapter("chat", LoraConfig(r=2, lora_alpha=3, target_modules="all-linear", init_lora_weights=False))
+    names = ["chat", "math", "code"]
+    assert_same(bank_logits(pm, ids, names), peft_logits(pm, ids, names))
+    assert get_bank(pm) is bank and bank.adapter_names == ["math", "code", "chat"]
+
+    for layer, _ in bank.layers.items():
+        layer.set_scale("math", 0.25)
+    names = ["math", "__base__", "chat"]
+    assert_same(bank_logits(pm, ids, names), peft_logits(pm, ids, names))
+
+    pm.delete_adapter("code")
+    names = ["chat", "math", "chat"]
+    assert_same(bank_logits(pm, ids, names), peft_logits(pm, ids, names))
+    with pytest.raises(ValueError, match=r"unknown adapter\(s\) \['code'\].*\['math', 'chat'\]"):
+        get_bank(pm).slots(["code"])
+
+
+def test_in_place_weight_update_is_picked_up():
+    pm = build(adapters={"math": ADAPTERS["math"]})
+    ids = torch.randint(0, TINY["vocab_size"], (1, 2))
+    bank_logits(pm, ids, ["math"])
+    with torch.no_grad():
+        next(m for m in get_bank(pm).layers).lora_B["math"].weight.mul_(3)
+    assert_same(bank_logits(pm, ids, ["math"]), peft_logits(pm, ids, ["math"]))
+
+
+def test_installed_restores_forwards_even_on_error():
+    pm = build(adapters={"math": ADAPTERS["math"]})
+    bank = get_bank(pm)
+    layer = next(iter(bank.layers))
+    with pytest.raises(RuntimeError, match="boom"), bank.installed():
+        assert "forward" in layer.__dict__
+        raise RuntimeError("boom")
+    assert "forward" not in layer.__dict__ and bank._meta is None
+
+
+def test_wrong_token_count_is_reported():
+    pm = build(adapters={"math": ADAPTERS["math"]})
+    bank = get_bank(pm)
+    with torch.no_grad(), bank.installed(), pytest.raises(ValueError, match="set_batch described 4 tokens"):
+        bank.set_batch(bank.slots(["math", "math"]), 2)
+        pm(torch.zeros(2, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("config, problem", [
+    (LoraConfig(r=4, target_modules=["q_proj"], use_dora=True), "LoRA variant"),
+    (LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True), "lora_bias"),
+    (LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]), "supports only"),
+])
+def test_unsupported_layers_are_refused(config, problem):
+    with pytest.raises(ValueError, match=problem):
+        AdapterBank(build(adapters={"math": config}))
+
+
+def test_merged_adapters_are_refused():
+    pm = build(adapters={"math": ADAPTERS["math"]})
+    pm.merge_adapter()
+    with pytest.raises(ValueError, match="merged"):
+        AdapterBank(pm)

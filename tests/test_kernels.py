@@ -1,0 +1,124 @@
+"""Batched LoRA ops vs the per-adapter reference: torch path on many shapes, Triton under its interpreter."""
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_invisiblelora.kernels import get_backend, make_meta, torch_lora
+from hf_invisiblelora.kernels.reference import lora_reference
+
+PATTERNS = ["distinct", "uniform", "skewed", "identical", "with_none", "all_none", "sorted_rows"]
+
+
+def token_slots_for(pattern, T, S, rng):
+    if pattern == "distinct":  # as many different adapters as possible
+        slots = [i % S for i in range(T)]
+        rng.shuffle(slots)
+    elif pattern == "uniform":
+        slots = [rng.randrange(S) for _ in range(T)]
+    elif pattern == "skewed":  # zipf-like popularity
+        weights = [1 / (i + 1) ** 1.5 for i in range(S)]
+        slots = rng.choices(range(S), weights, k=T)
+    elif pattern == "identical":
+        slots = [rng.randrange(S)] * T
+    elif pattern == "with_none":
+        slots = [rng.randrange(-1, S) for _ in range(T)]
+    elif pattern == "all_none":
+        slots = [-1] * T
+    else:  # rows already grouped by adapter, no-LoRA rows last: the torch path slices, no gather
+        slots = sorted(rng.randrange(S) for _ in range(T - T // 4)) + [-1] * (T // 4)
+    return torch.tensor(slots)
+
+
+def make_case(seed, dtype, max_t=40, max_h=300, max_r=64, max_s=32, align=1):
+    """Random shapes; every slot has its own rank (zero-padded to the max, as in the bank).
+    align: round H, O and the padded rank up to a multiple (model-like, aligned strides)."""
+    rng = random.Random(seed)
+    T, H, O, S = rng.randint(1, max_t), rng.randint(1, max_h), rng.randint(1, max_h), rng.randint(1, max_s)
+    H, O = -(-H // align) * align, -(-O // align) * align
+    ranks = [rng.randint(1, max_r) for _ in range(S)]
+    R = -(-max(ranks) // align) * align
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g, dtype=dtype)
+    A = torch.randn(S, R, H, generator=g, dtype=dtype) / H**0.5
+    B = torch.randn(S, O, R, generator=g, dtype=dtype) / R**0.5
+    for s, r in enumerate(ranks):
+        A[s, r:] = 0
+        B[s, :, r:] = 0
+    pattern = PATTERNS[seed % len(PATTERNS)]
+    return x, A, B, token_slots_for(pattern, T, S, rng), pattern
+
+
+def tolerance(dtype):
+    return {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2}[dtype]
+
+
+def check_backend(ops, seed, dtype, device="cpu", **shape):
+    x, A, B, token_slots, pattern = make_case(seed, dtype, **shape)
+    x, A, B, token_slots = x.to(device), A.to(device), B.to(device), token_slots.to(device)
+    meta = make_meta(token_slots, A.shape[0])
+    base = torch.randn(x.shape[0], B.shape[1], dtype=dtype, device=device)
+    out = base.clone()
+    scale = 0.5 + seed % 3
+    y = ops.lora_shrink(x, A, meta, scale=scale)
+    ops.lora_expand(out, y, B, meta)
+    expected = base + lora_reference(x, A, B, token_slots, scale)
+    tol = tolerance(dtype)
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol, msg=lambda m: f"{pattern}: {m}")
+    none = token_slots < 0
+    assert torch.equal(out[none], base[none]), "rows without LoRA must be left untouched"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", range(42))
+def test_torch_path(seed, dtype):
+    check_backend(torch_lora, seed, dtype)
+
+
+@pytest.mark.parametrize("seed", range(14))
+def test_torch_path_aligned(seed):
+    # Aligned strides take torch._grouped_mm (where this torch has it) instead of the loop.
+    check_backend(torch_lora, seed, torch.float32, align=8)
+
+
+@pytest.mark.parametrize("seed", range(7))
+def test_torch_path_bf16(seed):
+    check_backend(torch_lora, seed, torch.bfloat16, max_r=16, align=8)
+
+
+def test_torch_path_large_hidden():
+    check_backend(torch_lora, 3, torch.float32, max_t=64, max_h=2048, max_r=64)
+
+
+def test_make_meta():
+    token_slots = torch.tensor([2, -1, 0, 2, 0, -1, 3])
+    meta = make_meta(token_slots, 5)
+    assert meta.sorted_tokens.tolist() == [2, 4, 0, 3, 6, 1, 5]  # stable, no-LoRA tokens last
+    assert meta.slot_counts.tolist() == [2, 0, 2, 1, 0]
+    assert meta.slot_starts.tolist() == [0, 2, 2, 4, 5]
+    assert meta.active.tolist() == [0, 2, 3] and meta.offsets.tolist() == [2, 4, 5]
+    assert meta.num_lora_tokens == 5 and not meta.no_lora and meta.lora_range is None
+    assert make_meta(torch.tensor([1, 1, 3, -1]), 4).lora_range == (0, 3)
+    assert make_meta(torch.full((3,), -1), 4).no_lora
+
+
+def test_weight_cache_follows_active_set():
+    A = torch.randn(4, 8, 16)
+    first = make_meta(torch.tensor([0, 2, 2]), 4)
+    torch_lora.lora_shrink(torch.randn(3, 16), A, first)
+    assert make_meta(torch.tensor([2, 0, -1, 0]), 4, previous=first).cache is first.cache
+    assert make_meta(torch.tensor([1, 2]), 4, previous=first).cache is not first.cache
+
+
+def test_backend_env(monkeypatch):
+    monkeypatch.setenv("HF_INVISIBLELORA_BACKEND", "torch")
+    assert get_backend(torch.device("cuda")) is torch_lora
+    monkeypatch.setenv("HF_INVISIBLELORA_BACKEND", "auto")
+    assert get_backend(torch.device("cpu")) is torch_lora
+    monkeypatch.setenv("HF_INVISIBLELORA_BACKEND", "fast")
+    with pytest.raises(ValueError, match="auto, torch or triton"):
+        get_backend(torch.device("cpu"))
