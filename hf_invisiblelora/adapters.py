@@ -1,8 +1,8 @@
 """Which adapters a PEFT model holds, whether InvisibleLoRA can serve them, and switching LoRA on/off.
 
 The decoding loop only asks two things of the LoRA layers: "on" (every row with its own adapter)
-and "off" (the shared base model, the drafter). ``PeftSwitch`` does it through PEFT's own
-``adapter_names`` path; the adapter bank (bank.py) does it through batched kernels.
+and "off" (the shared base model, the drafter). ``BankSwitch`` does it through the adapter bank's
+batched kernels (bank.py; the default); ``PeftSwitch`` through PEFT's own per-adapter loop.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from peft.tuners.lora.layer import Linear as LoraLinear
+
+from .bank import get_bank
 
 BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
 
@@ -123,3 +125,24 @@ class PeftSwitch:
     def off(self) -> None:
         for m in self.layers:
             m._disable_adapters = True
+
+
+class BankSwitch:
+    """LoRA on/off through the adapter bank: on = one batched shrink/expand per layer for all adapters."""
+
+    def __init__(self, model: PeftModel, adapter_names: list[str]):
+        self.bank = get_bank(model)
+        self.row_slots = self.bank.slots(adapter_names)
+        self.uses_lora = any(a != BASE for a in adapter_names)
+
+    def installed(self):
+        return self.bank.installed()
+
+    def on(self, tokens_per_row: int) -> None:
+        self.bank.set_batch(self.row_slots, tokens_per_row)
+
+    def off(self) -> None:
+        self.bank.set_batch(None, 1)
+
+
+SWITCHES = {"bank": BankSwitch, "peft": PeftSwitch}

@@ -12,30 +12,34 @@ import functools
 from peft import PeftModel, PeftModelForCausalLM
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 
-from .adapters import PeftSwitch, check_servable, resolve_adapter_names
+from .adapters import SWITCHES, check_servable, resolve_adapter_names
 from .decoding import InvisibleLoRAOutput, run
 from .gate import check_gate
 from .stats import DecodingStats
 
-OPTIONS = ("num_draft_tokens", "gate", "generator")  # generate() keywords that only InvisibleLoRA reads
+OPTIONS = ("num_draft_tokens", "gate", "lora_backend", "generator")  # generate() keywords that only InvisibleLoRA reads
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer")
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
 def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 4, gate: str = "auto",
-             generator=None, **kwargs):
+             lora_backend: str = "bank", generator=None, **kwargs):
     """Lossless InvisibleLoRA decoding of a PEFT LoRA causal LM; same arguments and output as ``model.generate``.
 
     adapter_names: one adapter per row (``"__base__"`` = no adapter); default: the active adapter.
     num_draft_tokens: the most tokens the base model drafts per cycle (K).
     gate: "auto" (draft when it can pay), "always" (draft K every cycle), "never" (no drafting:
-        plain multi-LoRA decoding on the same engine).
+        plain multi-LoRA decoding on the same engine: the optimized multi-LoRA baseline).
+    lora_backend: "bank" (batched kernels over all adapters, default) or "peft" (PEFT's own
+        per-adapter loop, the reference).
     generator: a ``torch.Generator`` for sampling (default: torch's global RNG).
     With ``return_dict_in_generate=True`` the output has ``.stats`` (DecodingStats); the last
     call's stats are also at ``model.invisible_lora_stats``.
     """
     check_servable(model)
     check_gate(gate, num_draft_tokens)
+    if lora_backend not in SWITCHES:
+        raise ValueError(f"lora_backend must be one of {list(SWITCHES)}, got {lora_backend!r}.")
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None or kwargs.get("inputs_embeds") is not None:
         raise ValueError("invisible_lora needs input_ids (inputs_embeds are not supported).")
@@ -58,7 +62,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
             if input_ids.shape[0] != 1:
                 raise ValueError("A streamer needs a batch of one row (as in standard generate).")
             streamer.put(input_ids.cpu())
-        lora = PeftSwitch(model, rows)
+        lora = SWITCHES[lora_backend](model, rows)
         with lora.installed():
             sequences = run(
                 inner, input_ids, model_kwargs.get("attention_mask"), lora, logits_processor, stopping_criteria,

@@ -168,3 +168,32 @@ def test_adapters_loaded_from_disk(tmp_path):
     loaded.load_adapter(tmp_path / "d", adapter_name="d")
     loaded.eval()
     assert torch.equal(invisible(loaded, ids, mask, names, max_new_tokens=8, num_draft_tokens=2), ref)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_peft_backend_identical(arch):
+    """The reference LoRA path (PEFT's per-adapter loop) decodes the same as the bank's kernels."""
+    model = tiny_peft(arch, strength=0.6)
+    ids, mask = prompts(LENGTHS)
+    ref = standard(model, ids, mask, ROWS, max_new_tokens=10)
+    assert torch.equal(invisible(model, ids, mask, ROWS, max_new_tokens=10, lora_backend="peft"), ref)
+
+
+def test_adapters_added_deleted_and_rescaled_between_calls():
+    from peft import LoraConfig
+
+    from tiny import ADAPTERS
+
+    model = tiny_peft("llama", adapters=("a", "b"), strength=0.6)
+    ids, mask = prompts([4, 6, 5])
+    invisible(model, ids, mask, ["a", "b", "a"], max_new_tokens=4)  # builds the bank
+    model.add_adapter("d", LoraConfig(init_lora_weights=False, **ADAPTERS["d"]))
+    model.delete_adapter("b")
+    for layer in model.modules():
+        if hasattr(layer, "set_scale") and "a" in getattr(layer, "scaling", {}):
+            layer.set_scale("a", 3.0)
+    model.eval()
+    names = ["d", "a", "__base__"]
+    assert torch.equal(invisible(model, ids, mask, names, max_new_tokens=8), standard(model, ids, mask, names, max_new_tokens=8))
+    with pytest.raises(ValueError, match="Unknown adapter"):
+        invisible(model, ids, mask, ["b", "a", "a"], max_new_tokens=4)
