@@ -118,8 +118,13 @@ def train_adapter(base_path: Path, tokenizer, recipe: Recipe, out_dir: Path) -> 
     from transformers import AutoModelForCausalLM
 
     train_text, heldout_text = corpora.load_domain(recipe.domain, seed=recipe.seed)
-    train_ids = tokenizer(train_text, verbose=False)["input_ids"]
-    blocks = corpora.eval_blocks(tokenizer(heldout_text, verbose=False)["input_ids"], recipe.block, EVAL_BLOCKS)
+    # Every block starts the way the tokenizer starts any text (Gemma: <bos>, which it needs;
+    # SmolLM2: nothing), followed by a window of the raw token stream.
+    prefix = tokenizer("")["input_ids"]
+    span = recipe.block - len(prefix)
+    train_ids = tokenizer(train_text, add_special_tokens=False, verbose=False)["input_ids"]
+    heldout_ids = tokenizer(heldout_text, add_special_tokens=False, verbose=False)["input_ids"]
+    blocks = [prefix + b for b in corpora.eval_blocks(heldout_ids, span, EVAL_BLOCKS)]
 
     torch.manual_seed(recipe.seed)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
@@ -135,7 +140,7 @@ def train_adapter(base_path: Path, tokenizer, recipe: Recipe, out_dir: Path) -> 
     start = time.perf_counter()
     bar = tqdm(range(recipe.steps), desc=recipe.domain, unit="step", leave=False)
     for _ in bar:
-        batch = torch.tensor(corpora.sample_blocks(train_ids, recipe.block, recipe.batch, rng))
+        batch = torch.tensor([prefix + b for b in corpora.sample_blocks(train_ids, span, recipe.batch, rng)])
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         optimizer.step()

@@ -110,3 +110,7 @@ def test_build_trains_lowers_held_out_loss_and_skips_what_exists(tiny_world):
     stamp = (folder / "toy" / "adapter_model.safetensors").stat().st_mtime_ns
     zoo.build("tiny", recipes=tiny_world)  # nothing missing: nothing retrained
     assert (folder / "toy" / "adapter_model.safetensors").stat().st_mtime_ns == stamp
+
+    result = zoo.measure_acceptance("tiny", prompts_per_adapter=2, prompt_tokens=8, new_tokens=6)
+    assert result["batch"] == 2 and 0.0 <= result["per_adapter"]["toy"] <= 1.0
+    assert zoo.read_manifest(folder)["acceptance"] == result
