@@ -98,7 +98,7 @@ class AdapterBank:
         self.layers = {m: _Layer(m, names) for _, m in self.modules if len(m.lora_A)}
         weight = self.modules[0][1].get_base_layer().weight
         self.device = weight.device
-        self.ops = kernels.get_backend(self.device)
+        self.ops = kernels.get_backend(self.device, weight.dtype)
         self._signature = signature
         self._meta = self._last_meta = None  # their weight caches refer to the old stacks
 

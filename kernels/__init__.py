@@ -82,12 +82,14 @@ def make_meta(token_slots: torch.Tensor, num_slots: int, previous: LoraMeta | No
     return meta
 
 
-def get_backend(device: torch.device):
-    """The module (torch_lora or triton_lora) whose lora_shrink/lora_expand serve `device`."""
+def get_backend(device: torch.device, dtype: torch.dtype = torch.float32):
+    """The module (torch_lora or triton_lora) whose lora_shrink/lora_expand serve `device`.
+    auto: Triton on CUDA for fp32/fp16/bf16 (its intermediate is fp32), torch otherwise."""
     choice = os.environ.get(BACKEND_ENV, "auto")
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"{BACKEND_ENV}={choice!r}: expected auto, torch or triton")
-    if choice == "torch" or (choice == "auto" and torch.device(device).type != "cuda"):
+    triton_fits = torch.device(device).type == "cuda" and dtype in (torch.float32, torch.float16, torch.bfloat16)
+    if choice == "torch" or (choice == "auto" and not triton_fits):
         return torch_lora
     if choice == "triton":
         from . import triton_lora  # an ImportError here is the answer to a forced backend
