@@ -99,7 +99,6 @@ class PeftSwitch:
     def __init__(self, model: PeftModel, adapter_names: list[str]):
         self.layers = lora_layers(model)
         self.adapter_names = adapter_names
-        self.uses_lora = any(a != BASE for a in adapter_names)
 
     @contextlib.contextmanager
     def installed(self):
@@ -133,7 +132,6 @@ class BankSwitch:
     def __init__(self, model: PeftModel, adapter_names: list[str]):
         self.bank = get_bank(model)
         self.row_slots = self.bank.slots(adapter_names)
-        self.uses_lora = any(a != BASE for a in adapter_names)
 
     def installed(self):
         return self.bank.installed()

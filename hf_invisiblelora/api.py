@@ -12,9 +12,9 @@ import functools
 from peft import PeftModel, PeftModelForCausalLM
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 
-from .adapters import SWITCHES, check_servable, resolve_adapter_names
+from .adapters import BASE, SWITCHES, check_servable, resolve_adapter_names
 from .decoding import InvisibleLoRAOutput, run
-from .gate import check_gate
+from .gate import Gate, check_gate, memory_of
 from .stats import DecodingStats
 
 OPTIONS = ("num_draft_tokens", "gate", "lora_backend", "generator")  # generate() keywords that only InvisibleLoRA reads
@@ -66,7 +66,8 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         with lora.installed():
             sequences = run(
                 inner, input_ids, model_kwargs.get("attention_mask"), lora, logits_processor, stopping_criteria,
-                generation_config, max_draft_tokens=num_draft_tokens, gate=gate, streamer=streamer,
+                generation_config, max_draft_tokens=num_draft_tokens,
+                gate=Gate(gate, num_draft_tokens, rows, memory_of(model), BASE), streamer=streamer,
                 generator=generator, stats=stats,
             )
         if generation_config.return_dict_in_generate:

@@ -24,7 +24,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import accept_greedy, accept_sampling, sample
 from .cache import HybridCache
-from .gate import choose_k
+from .gate import Gate, PassTimer
 from .ragged import first_stop, process_scores, split_criteria
 from .stats import DecodingStats
 
@@ -84,8 +84,8 @@ def accept(drafts, draft_probs, target_scores, do_sample, generator):
 def commit(tokens, gen, done, n, next_token, k, prompt_len, max_new, eos, criteria, pad_id):
     """Append each active row's accepted drafts + next token, cut at EOS / stopping criteria / max length.
 
-    Returns (kept [B], done [B], kept and done as host lists): the host learns them here, the
-    cycle's one device sync (two when stopping criteria beyond EOS / max length are set).
+    Returns (kept [B], done [B], and kept, done, n as host lists): the host learns them here,
+    the cycle's one device sync (two when stopping criteria beyond EOS / max length are set).
     """
     tokens.scatter_(1, (prompt_len + gen + n)[:, None], next_token[:, None])
     kept = torch.where(done, 0, n + 1).clamp_(max=max_new - gen)
@@ -97,16 +97,16 @@ def commit(tokens, gen, done, n, next_token, k, prompt_len, max_new, eos, criter
         kept = torch.where(hit, is_eos.long().argmax(1) + 1, kept)
         done = done | hit
     done = done | (gen + kept >= max_new)
-    kept_h, done_h = torch.stack([kept, done.long()]).tolist()
+    kept_h, done_h, n_h = torch.stack([kept, done.long(), n]).tolist()
     if criteria:
         kept, stopped = first_stop(criteria, tokens, prompt_len + gen + kept, kept_h, pad_id)
         done = done | stopped
         kept_h, done_h = torch.stack([kept, done.long()]).tolist()
-    return kept, done, kept_h, done_h
+    return kept, done, kept_h, done_h, n_h
 
 
-def run(model, input_ids, attention_mask, lora, processors, stopping_criteria, config, *, max_draft_tokens, gate,
-        streamer=None, generator=None, stats: DecodingStats):
+def run(model, input_ids, attention_mask, lora, processors, stopping_criteria, config, *, max_draft_tokens,
+        gate: Gate, streamer=None, generator=None, stats: DecodingStats):
     """Decode ``input_ids`` [B, P] (left-padded) to ``config.max_length``; returns sequences [B, P + new]."""
     b, prompt_len = input_ids.shape
     device = input_ids.device
@@ -124,7 +124,8 @@ def run(model, input_ids, attention_mask, lora, processors, stopping_criteria, c
     gen = input_ids.new_zeros(b)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     drafted, accepted = gen.clone(), gen.clone()
-    gen_h = [0] * b
+    gen_h, done_h = [0] * b, [False] * b
+    timer = PassTimer(device)
 
     # Prefill: the prompt with LoRA on; its last position gives the first token (a verify of k = 0).
     lora.on(prompt_len)
@@ -133,12 +134,15 @@ def run(model, input_ids, attention_mask, lora, processors, stopping_criteria, c
     drafts, draft_probs, k = tokens.new_zeros(b, 0), None, 0
     while True:
         n, next_token = accept(drafts, draft_probs, scores, do_sample, generator)
-        active = ~done
+        active, active_h = ~done, [not d for d in done_h]
         drafted += active * k
         accepted += active * n
-        kept, done, kept_h, done_h = commit(
+        kept, done, kept_h, done_h, n_h = commit(
             tokens, gen, done, n, next_token, k, prompt_len, max_new, eos, criteria, pad_id
         )
+        spans = timer.collect()
+        if "verify" in spans:  # not after the prefill
+            gate.observe(k, n_h, active_h, spans.get("draft"), spans["verify"])
         if streamer is not None and kept_h[0]:
             streamer.put(tokens[0, prompt_len + gen_h[0] : prompt_len + gen_h[0] + kept_h[0]].cpu())
         gen += kept
@@ -146,17 +150,18 @@ def run(model, input_ids, attention_mask, lora, processors, stopping_criteria, c
         if all(done_h):
             break
 
-        k = choose_k(gate, max_draft_tokens, lora.uses_lora, max(max_new - g for g, d in zip(gen_h, done_h) if not d))
+        k = gate.choose([not d for d in done_h], max(max_new - g for g, d in zip(gen_h, done_h) if not d))
         stats.cycles += 1
         stats.k_per_cycle.append(k)
         stats.draft_passes += k
+        drafts, draft_probs = tokens.new_zeros(b, 0), None
         if k:
-            drafts, draft_probs = draft(
-                model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors, do_sample, generator
-            )
-        else:
-            drafts, draft_probs = tokens.new_zeros(b, 0), None
-        scores = verify(model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors)
+            with timer("draft"):
+                drafts, draft_probs = draft(
+                    model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors, do_sample, generator
+                )
+        with timer("verify"):
+            scores = verify(model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors)
 
     if streamer is not None:
         streamer.end()

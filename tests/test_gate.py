@@ -1,0 +1,99 @@
+"""The gate on synthetic costs and acceptance."""
+
+import time
+
+import pytest
+import torch
+
+from hf_invisiblelora.gate import EXPLORE_AFTER, Gate, GateMemory, PassTimer, expected_tokens
+
+K = 4
+ROWS = ["x", "y", "x", "__base__"]
+
+
+def gate_with(costs_by_q, draft_cost, acceptance, rows=ROWS, mode="auto"):
+    mem = GateMemory()
+    batch = len(rows)
+    for q, t in costs_by_q.items():
+        mem.costs[("verify", batch, q)] = t
+    if draft_cost is not None:
+        mem.costs[("draft", batch)] = draft_cost
+    for name, a in acceptance.items():  # strong evidence, far above the prior's weight
+        mem.accepted[name], mem.trials[name] = 1000 * a, 1000.0
+    return Gate(mode, K, rows, mem, "__base__")
+
+
+def brute_force_best(costs_by_q, draft_cost, acc):
+    rate = [expected_tokens(acc, k) / (k * draft_cost + costs_by_q[k + 1]) for k in range(K + 1)]
+    return max(range(K + 1), key=rate.__getitem__)
+
+
+def test_expected_tokens():
+    assert expected_tokens(torch.tensor([1.0, 0.0]), 3) == pytest.approx(4 + 1)
+    assert expected_tokens(torch.tensor([0.5]), 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_no_drafting_when_it_cannot_pay():
+    # CPU-like: a pass costs in proportion to its tokens, and a draft pass as much as a plain step.
+    costs = {q: 0.1 * q for q in range(1, K + 2)}
+    g = gate_with(costs, 0.1, {"x": 0.95, "y": 0.95})
+    assert g.choose([True] * 4, longest_remaining=50) == 0
+
+
+def test_best_k_when_drafting_pays():
+    # GPU-like: wide verify nearly free, adapters expensive (plain step 2x a draft step).
+    costs = {q: 0.2 + 0.01 * q for q in range(1, K + 2)}
+    for a, expect_high in ((0.95, True), (0.5, False)):
+        g = gate_with(costs, 0.1, {"x": a, "y": a})
+        acc = torch.tensor([g.memory.acceptance(n) if n != "__base__" else 1.0 for n in ROWS])
+        k = g.choose([True] * 4, longest_remaining=50)
+        assert k == brute_force_best(costs, 0.1, acc)
+        assert (k == K) == expect_high
+
+
+def test_interpolates_unmeasured_verify_costs():
+    costs = {1: 0.21, K + 1: 0.25}  # only the calibration points are known
+    full = {q: 0.21 + 0.01 * (q - 1) for q in range(1, K + 2)}
+    g = gate_with(costs, 0.1, {"x": 0.7, "y": 0.7})
+    acc = torch.tensor([0.7, 0.7, 0.7, 1.0], dtype=torch.double)
+    assert g._costs() == pytest.approx([k * 0.1 + full[k + 1] for k in range(K + 1)])
+    assert g.choose([True] * 4, 50) == brute_force_best(full, 0.1, acc)
+
+
+def test_adapts_when_acceptance_changes():
+    costs = {q: 0.2 + 0.01 * q for q in range(1, K + 2)}
+    g = gate_with(costs, 0.1, {"x": 0.95, "y": 0.95})
+    assert g.choose([True] * 4, 50) == K
+    for _ in range(400):  # the adapters start disagreeing with the base model
+        g.observe(K, [0, 0, 0, K], [True] * 4, draft_s=0.4, verify_s=0.25)
+    assert g.memory.acceptance("x") < 0.1 and g.memory.acceptance("y") < 0.1
+    assert g.choose([True, True, True, False], 50) == 0
+
+
+def test_calibrates_then_explores_with_backoff():
+    g = gate_with({}, None, {})
+    assert g.choose([True] * 4, 50) == 0  # first: measure a plain step
+    g.observe(0, [0] * 4, [True] * 4, None, verify_s=0.1)
+    assert g.choose([True] * 4, 50) == K  # then: measure one full cycle
+    g.observe(K, [1, 0, 1, K], [True] * 4, draft_s=4 * 0.1, verify_s=0.5)
+    # Measured: drafting does not pay. Plain steps, a re-check after EXPLORE_AFTER, the next 2x later.
+    picks = [g.choose([True] * 4, 50) for _ in range(4 * EXPLORE_AFTER)]
+    assert [i for i, k in enumerate(picks) if k] == [EXPLORE_AFTER - 1, 3 * EXPLORE_AFTER - 1]
+
+
+def test_obvious_cases():
+    costs = {q: 0.2 + 0.01 * q for q in range(1, K + 2)}
+    assert gate_with(costs, 0.1, {}, rows=["__base__"] * 3).choose([True] * 3, 50) == 0
+    g = gate_with(costs, 0.1, {"x": 0.99, "y": 0.99})
+    assert g.choose([False, False, False, True], 50) == 0  # only a __base__ row is still decoding
+    assert g.choose([True] * 4, longest_remaining=2) == 1  # never more drafts than can be used
+    assert gate_with({}, None, {}, mode="always").choose([True] * 4, 50) == K
+    assert gate_with(costs, 0.1, {"x": 1.0, "y": 1.0}, mode="never").choose([True] * 4, 50) == 0
+
+
+def test_pass_timer_on_cpu():
+    timer = PassTimer(torch.device("cpu"))
+    with timer("verify"):
+        time.sleep(0.02)
+    spans = timer.collect()
+    assert 0.015 < spans["verify"] < 1.0 and timer.collect() == {}
