@@ -82,6 +82,6 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, B: torch.Tensor, meta) -> No
         return
     delta = _segment_mm(y.to(B.dtype), _grouped_weight(B, meta), meta)
     if meta.lora_range is not None:
-        out[meta.lora_range[0] : meta.lora_range[1]] += delta
+        out[meta.lora_range[0] : meta.lora_range[1]].add_(delta)  # not +=, which copies the slice back
     else:
         out.index_add_(0, meta.sorted_tokens[: meta.num_lora_tokens], delta)
