@@ -25,8 +25,9 @@ _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    # grouped_mm wants every non-unit stride to be a multiple of 16 bytes.
-    return all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
+    # grouped_mm wants 16-byte aligned data and every non-unit stride a multiple of 16 bytes.
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride() if s != 1)
 
 
 def _grouped_weight(W: torch.Tensor, meta) -> torch.Tensor:

@@ -81,6 +81,8 @@ def test_cache_survives_draft_passes_and_batches_change():
         pm(ids)
         bank.set_batch(None, 1)  # a draft pass
         pm(ids)
+        bank.set_batch(bank.slots(["__base__", "__base__"]), 1)
+        pm(ids)
         bank.set_batch(bank.slots(["code", "math"]), 1)
         assert bank._meta.cache is first.cache
         assert_same(pm(ids).logits, peft_logits(pm, ids, ["code", "math"]))
@@ -154,3 +156,27 @@ def test_merged_adapters_are_refused():
     pm.merge_adapter()
     with pytest.raises(ValueError, match="merged"):
         AdapterBank(pm)
+
+
+def test_siblings_share_one_shrink_only_for_the_same_input(monkeypatch):
+    pm = build(adapters={"chat": ADAPTERS["chat"], "code": ADAPTERS["code"]})  # chat: all 7 modules
+    bank = get_bank(pm)
+    shrinks = []
+    real = bank.ops.lora_shrink
+    monkeypatch.setattr(bank.ops, "lora_shrink", lambda *a, **k: shrinks.append(1) or real(*a, **k))
+    names = ["code", "chat"]
+    ids = torch.randint(0, TINY["vocab_size"], (2, 3))
+    assert_same(bank_logits(pm, ids, names), peft_logits(pm, ids, names))
+    assert len(shrinks) == 2 * 4  # per decoder layer: q/k/v, o, gate/up, down
+
+    # Siblings called on different inputs each get their own (correct) shrink.
+    attn = pm.base_model.model.model.layers[0].self_attn
+    x1, x2 = torch.randn(2, 3, TINY["hidden_size"], dtype=torch.float64).unbind(0)
+    x1, x2 = x1[None].expand(2, 3, -1).contiguous(), x2[None].expand(2, 3, -1).contiguous()
+    with torch.no_grad():
+        expected = attn.q_proj(x1, adapter_names=names), attn.k_proj(x2, adapter_names=names)
+        with bank.installed():
+            bank.set_batch(bank.slots(names), 3)
+            got = attn.q_proj(x1), attn.k_proj(x2)
+    assert_same(got[0], expected[0])
+    assert_same(got[1], expected[1])
