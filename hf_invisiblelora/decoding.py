@@ -166,6 +166,7 @@ def run(model, input_ids, attention_mask, lora, processors, stopping_criteria, c
     if streamer is not None:
         streamer.end()
     stats.drafted, stats.accepted, stats.committed = drafted.tolist(), accepted.tolist(), gen_h
+    stats.cache_bytes = sum(x.keys.nbytes + x.values.nbytes for x in cache.layers if x.is_initialized)
     sequences = tokens[:, : prompt_len + max(gen_h)].clone()
     past_end = torch.arange(sequences.shape[1], device=device) >= (prompt_len + gen)[:, None]
     return sequences.masked_fill_(past_end, pad_id)

@@ -8,7 +8,8 @@ the gate picks k in 0..K maximising expected committed tokens per second:
     time(k)   = k * T_draft + T_verify(k + 1)                       (T_verify(1) = a plain step)
 
 Acceptance is tracked per adapter (decayed success/trial counts, seeded by a prior); pass costs
-are measured from the passes themselves, per batch size and tokens per row. Both live on the
+are measured from the passes themselves, per batch shape (rows, distinct adapters) and tokens per
+row. Both live on the
 model, so later generate calls start informed. With nothing measured yet it calibrates: one
 plain step, one cycle at K. While drafting does not pay it re-checks now and then, with
 exponential backoff, so a wrong estimate cannot stick and exploring costs little.
@@ -42,7 +43,7 @@ class GateMemory:
 
     accepted: dict = field(default_factory=dict)  # adapter -> decayed accepted drafts
     trials: dict = field(default_factory=dict)  # adapter -> decayed drafts judged
-    costs: dict = field(default_factory=dict)  # ("draft", batch) / ("verify", batch, q) -> EMA seconds
+    costs: dict = field(default_factory=dict)  # ("draft", shape) / ("verify", shape, q) -> EMA seconds
 
     def acceptance(self, adapter: str) -> float:
         a, t = self.accepted.get(adapter, 0.0), self.trials.get(adapter, 0.0)
@@ -69,7 +70,7 @@ class Gate:
     def __init__(self, mode: str, max_k: int, adapter_names: list[str], memory: GateMemory, base: str):
         self.mode, self.max_k, self.memory = mode, max_k, memory
         self.names = adapter_names
-        self.batch = len(adapter_names)
+        self.shape = (len(adapter_names), len(set(adapter_names)))  # what a pass's cost depends on
         self.is_base = torch.tensor([a == base for a in adapter_names])
         self.plain_streak, self.explore_after = 0, EXPLORE_AFTER
 
@@ -82,7 +83,7 @@ class Gate:
             return 0  # no adapter work to save: the LoRA-on step costs what a draft step costs
         costs = self._costs()
         if costs is None:  # calibrate: a plain step first, then one cycle at cap
-            return 0 if ("verify", self.batch, 1) not in self.memory.costs else cap
+            return 0 if ("verify", self.shape, 1) not in self.memory.costs else cap
         acc = torch.tensor([1.0 if b else self.memory.acceptance(a) for a, b in zip(self.names, self.is_base)])
         acc = acc[active_t]
         rate = [expected_tokens(acc, k) / costs[k] for k in range(cap + 1)]
@@ -102,8 +103,8 @@ class Gate:
         Verify cost for unmeasured token counts is interpolated linearly between measured ones.
         """
         c = self.memory.costs
-        t_draft = c.get(("draft", self.batch))
-        measured = sorted((key[2], v) for key, v in c.items() if key[0] == "verify" and key[1] == self.batch)
+        t_draft = c.get(("draft", self.shape))
+        measured = sorted((key[2], v) for key, v in c.items() if key[0] == "verify" and key[1] == self.shape)
         if t_draft is None or len(measured) < 2:
             return None
         qs = torch.tensor([q for q, _ in measured], dtype=torch.double)
@@ -120,13 +121,13 @@ class Gate:
         """Learn from one cycle: k drafts, per-row accepted counts (rows active at its start), pass times."""
         m = self.memory
         if k:
-            m.observe_cost(("draft", self.batch), draft_s / k)
+            m.observe_cost(("draft", self.shape), draft_s / k)
             for name, n, act, base in zip(self.names, n_accepted, active, self.is_base.tolist()):
                 if act and not base:
                     # n successes, then one failure unless every draft was kept (Bernoulli per position).
                     m.accepted[name] = DECAY * m.accepted.get(name, 0.0) + n
                     m.trials[name] = DECAY * m.trials.get(name, 0.0) + n + (n < k)
-        m.observe_cost(("verify", self.batch, k + 1), verify_s)
+        m.observe_cost(("verify", self.shape, k + 1), verify_s)
 
 
 class PassTimer:

@@ -22,6 +22,7 @@ class DecodingStats:
     drafted: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
+    cache_bytes: int = 0  # the hybrid KV cache's allocation (keys + values, all layers)
 
     def __post_init__(self):
         n = len(self.adapter_names)
@@ -63,6 +64,7 @@ class DecodingStats:
             "committed": self.committed,
             "acceptance_rate": self.acceptance_rate,
             "per_adapter": self.per_adapter,
+            "cache_bytes": self.cache_bytes,
         }
 
     def summary(self) -> str:

@@ -13,11 +13,11 @@ ROWS = ["x", "y", "x", "__base__"]
 
 def gate_with(costs_by_q, draft_cost, acceptance, rows=ROWS, mode="auto"):
     mem = GateMemory()
-    batch = len(rows)
+    shape = (len(rows), len(set(rows)))
     for q, t in costs_by_q.items():
-        mem.costs[("verify", batch, q)] = t
+        mem.costs[("verify", shape, q)] = t
     if draft_cost is not None:
-        mem.costs[("draft", batch)] = draft_cost
+        mem.costs[("draft", shape)] = draft_cost
     for name, a in acceptance.items():  # strong evidence, far above the prior's weight
         mem.accepted[name], mem.trials[name] = 1000 * a, 1000.0
     return Gate(mode, K, rows, mem, "__base__")

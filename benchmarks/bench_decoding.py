@@ -1,0 +1,252 @@
+"""Decoding benchmark: when drafting pays, and by how much.
+
+On the zoo (SmolLM2-135M-Instruct + its real LoRA adapters), prompts cut from each adapter's
+held-out domain. Sections:
+  1. throughput and per-token latency vs distinct adapters x batch size, for stock PEFT
+     generate(adapter_names=), the optimized baseline (fast kernels, no drafting: gate="never"),
+     InvisibleLoRA with fixed k (gate="always") and with the gate; greedy, plus sampling (T=0.7)
+     at the largest adapter count. Configurations run interleaved, medians of repeats, one
+     warm-up call each (which also lets the gate calibrate, as a server's first request would);
+  2. acceptance per adapter (greedy and sampling, k = 4 fixed), median over adapters;
+  3. the bound: (T_base + T_lora) / T_base per token, from timed plain steps LoRA off vs on;
+  4. KV cache memory: the hybrid cache vs standard decoding's cache.
+Prints tables, writes JSON and PNG plots.
+
+    python benchmarks/bench_decoding.py                 # the default grid (~1 h on 2 CPU cores)
+    python benchmarks/bench_decoding.py --quick         # a small grid (~10 min)
+    python benchmarks/bench_decoding.py --smoke --out /tmp/x   # tiny random model, seconds (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import hf_invisiblelora  # noqa: F401  (generate(invisible_lora=True))
+
+CONFIGS = {
+    "stock_peft": {},
+    "baseline": dict(invisible_lora=True, gate="never"),
+    "k1": dict(invisible_lora=True, gate="always", num_draft_tokens=1),
+    "k2": dict(invisible_lora=True, gate="always", num_draft_tokens=2),
+    "k4": dict(invisible_lora=True, gate="always", num_draft_tokens=4),
+    "gate": dict(invisible_lora=True, gate="auto", num_draft_tokens=4),
+}
+
+
+def load(smoke: bool):
+    """(peft_model, tokenizer, adapter names, prompts_for(name, count, seed))."""
+    if smoke:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from tiny import tiny_peft, tiny_tokenizer
+
+        tok = tiny_tokenizer()
+        model = tiny_peft("llama", strength=0.5, dtype=torch.float32)
+        texts = ["the quick brown fox", "once upon a time", "hello world", "over the lazy dog"]
+        return model, tok, ["a", "b", "c", "d"], lambda name, n, seed: [texts[(seed + i) % 4] for i in range(n)]
+    from hf_invisiblelora import zoo
+
+    model, tok, names = zoo.load_zoo("smollm2")
+    domains = {n: e["domain"] for n, e in zoo.read_manifest(zoo.zoo_dir("smollm2"))["adapters"].items()}
+    return model, tok, names, lambda name, n, seed: zoo.heldout_prompts(domains[name], tok, n, 32, seed=seed)
+
+
+def workload(tok, names, prompts_for, n_adapters, batch):
+    rows = [names[i % n_adapters] for i in range(batch)]
+    prompts = [prompts_for(name, 1, seed=i)[0] for i, name in enumerate(rows)]
+    tok.padding_side = "left"
+    return rows, tok(prompts, return_tensors="pt", padding=True)
+
+
+def generated_tokens(sequences, prompt_len, eos):
+    """Tokens each row generated, up to and including its first EOS."""
+    new = sequences[:, prompt_len:]
+    is_eos = torch.isin(new, torch.tensor(eos))
+    first = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, new.shape[1])
+    return first.tolist()
+
+
+def measure(model, rows, enc, configs, new_tokens, repeats, sampling):
+    eos = model.generation_config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
+    kw = dict(adapter_names=rows, max_new_tokens=new_tokens, return_dict_in_generate=True)
+    kw.update(dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0) if sampling else dict(do_sample=False))
+    times = {c: [] for c in configs}
+    last = {}
+    for rep in range(repeats + 1):  # rep 0: warm-up, not counted
+        for c in configs:
+            torch.manual_seed(rep)
+            t = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(**enc, **kw, **CONFIGS[c])
+            if rep:
+                times[c].append(time.perf_counter() - t)
+            last[c] = out
+    res = {}
+    for c in configs:
+        tokens = generated_tokens(last[c].sequences, enc.input_ids.shape[1], eos)
+        sec = statistics.median(times[c])
+        stats = getattr(last[c], "stats", None)
+        res[c] = dict(
+            seconds=sec, tokens=sum(tokens), tokens_per_s=sum(tokens) / sec,
+            ms_per_token=1000 * sec / max(1, max(tokens)),  # a row's latency per generated token
+            acceptance=stats.acceptance_rate if stats else None,
+            k_per_cycle=stats.k_per_cycle if stats else None,
+            cache_bytes=stats.cache_bytes if stats else None,
+        )
+    if not sampling and "stock_peft" in last:  # greedy: every configuration must give the same tokens
+        for c in configs:
+            res[c]["identical_to_stock"] = bool(torch.equal(last[c].sequences, last["stock_peft"].sequences))
+    return res
+
+
+def acceptance(model, tok, names, prompts_for, per_adapter, new_tokens):
+    rows = [n for n in names for _ in range(per_adapter)]
+    prompts = [p for n in names for p in prompts_for(n, per_adapter, 100)]
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    out = {}
+    for mode, kw in (("greedy", dict(do_sample=False)), ("sampling", dict(do_sample=True, temperature=0.7))):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            o = model.generate(**enc, adapter_names=rows, max_new_tokens=new_tokens, invisible_lora=True,
+                               gate="always", num_draft_tokens=4, return_dict_in_generate=True, **kw)
+        s = o.stats
+        per = {}
+        for name in names:
+            idx = [i for i, r in enumerate(rows) if r == name]
+            # committed tokens per cycle and row (the prefill's token included; rows stopped by EOS count less)
+            per[name] = dict(acceptance=s.per_adapter[name]["acceptance"],
+                             tokens_per_cycle=sum(s.committed[i] for i in idx) / (len(idx) * max(1, s.cycles)))
+        out[mode] = dict(per_adapter=per, median=statistics.median(v["acceptance"] for v in per.values()))
+    return out
+
+
+def bound(model, tok, names, prompts_for, batch, repeats):
+    """(T_base + T_lora) / T_base: one LoRA-on plain step over one LoRA-off step, bank kernels."""
+    from hf_invisiblelora.bank import get_bank
+
+    rows, enc = workload(tok, names, prompts_for, len(names), batch)
+    bank = get_bank(model)
+    slots = bank.slots(rows)
+    ids = enc.input_ids[:, -1:]
+    t = {"off": [], "on": []}
+    with torch.no_grad(), bank.installed():
+        for rep in range(repeats + 1):
+            for mode in ("off", "on"):
+                bank.set_batch(slots if mode == "on" else None, 1)
+                start = time.perf_counter()
+                model(input_ids=ids, logits_to_keep=1)
+                if rep:
+                    t[mode].append(time.perf_counter() - start)
+    off, on = statistics.median(t["off"]), statistics.median(t["on"])
+    return dict(batch=batch, adapters=len(names), base_step_ms=1000 * off, lora_step_ms=1000 * on, bound=on / off)
+
+
+def stock_cache_bytes(model, enc, rows, new_tokens):
+    with torch.no_grad():
+        out = model.generate(**enc, adapter_names=rows, max_new_tokens=new_tokens, do_sample=False,
+                             return_dict_in_generate=True)
+    cache = out.past_key_values
+    return sum(x.keys.nbytes + x.values.nbytes for x in cache.layers)
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = [r for r in results["throughput"] if not r["sampling"]]
+    batches = sorted({r["batch"] for r in grid})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4 * len(batches), 3.2), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        pts = sorted((r for r in grid if r["batch"] == b), key=lambda r: r["adapters"])
+        for c in CONFIGS:
+            if c in pts[0]["configs"]:
+                ax.plot([r["adapters"] for r in pts],
+                        [r["configs"][c]["tokens_per_s"] / r["configs"]["baseline"]["tokens_per_s"] for r in pts],
+                        marker="o", label=c)
+        ax.set_title(f"batch {b}")
+        ax.set_xlabel("distinct adapters")
+        ax.axhline(1.0, color="gray", lw=0.5)
+    axes[0][0].set_ylabel("throughput / optimized baseline")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def table(results) -> str:
+    lines = ["| mode | batch | adapters | " + " | ".join(CONFIGS) + " | gate's k |", "|---" * (len(CONFIGS) + 4) + "|"]
+    for r in results["throughput"]:
+        cfg = r["configs"]
+        cells = [f"{cfg[c]['tokens_per_s']:.1f} ({cfg[c]['tokens_per_s'] / cfg['baseline']['tokens_per_s']:.2f}x)"
+                 if c in cfg else "-" for c in CONFIGS]
+        ks = cfg.get("gate", {}).get("k_per_cycle") or []
+        lines.append(f"| {'sample' if r['sampling'] else 'greedy'} | {r['batch']} | {r['adapters']} | "
+                     + " | ".join(cells) + f" | {sum(ks) / max(1, len(ks)):.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny random model, tiny grid (for tests)")
+    p.add_argument("--out", default="benchmarks/results", help="folder for decoding.json and plots")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=32)
+    args = p.parse_args(argv)
+    if args.smoke:
+        batches, adapter_counts, args.repeats, args.new_tokens = [1, 4], [1, 4], 1, 6
+    elif args.quick:
+        batches, adapter_counts = [1, 4, 16], [1, 4, 12]
+    else:
+        batches, adapter_counts = [1, 4, 16, 32], [1, 2, 4, 8, 12]
+    model, tok, names, prompts_for = load(args.smoke)
+    adapter_counts = [a for a in adapter_counts if a <= len(names)] or [len(names)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = dict(command="python " + " ".join(sys.argv), machine=platform.platform(), threads=torch.get_num_threads(),
+                   torch=torch.__version__, adapters=names, new_tokens=args.new_tokens, repeats=args.repeats,
+                   throughput=[])
+    for b in batches:
+        for a in adapter_counts:
+            if a > b:
+                continue
+            rows, enc = workload(tok, names, prompts_for, a, b)
+            for sampling in (False, True) if a == max(adapter_counts) else (False,):
+                configs = list(CONFIGS) if not sampling else ["stock_peft", "baseline", "k2", "gate"]
+                r = measure(model, rows, enc, configs, args.new_tokens, args.repeats, sampling)
+                results["throughput"].append(dict(batch=b, adapters=a, sampling=sampling, configs=r))
+                print(table(dict(throughput=results["throughput"][-1:])).splitlines()[-1], flush=True)
+    results["acceptance"] = acceptance(model, tok, names, prompts_for, 2 if args.smoke else 4, args.new_tokens)
+    results["bound"] = [bound(model, tok, names, prompts_for, b, args.repeats) for b in batches]
+    rows, enc = workload(tok, names, prompts_for, len(names), max(batches))
+    results["memory"] = dict(batch=max(batches), stock_cache_bytes=stock_cache_bytes(model, enc, rows, args.new_tokens),
+                             hybrid_cache_bytes={c: r["configs"][c]["cache_bytes"] for r in results["throughput"][-1:]
+                                                 for c in r["configs"] if r["configs"][c]["cache_bytes"]})
+    (out / "decoding.json").write_text(json.dumps(results, indent=1))
+    plot(results, out / "decoding_throughput.png")
+    print("\n" + table(results))
+    for mode, acc in results["acceptance"].items():
+        print(f"\nacceptance ({mode}, k=4): median {acc['median']:.1%}; "
+              + ", ".join(f"{n} {v['acceptance']:.0%}" for n, v in acc["per_adapter"].items()))
+    for bd in results["bound"]:
+        print(f"bound at batch {bd['batch']}: base step {bd['base_step_ms']:.1f} ms, LoRA-on step "
+              f"{bd['lora_step_ms']:.1f} ms -> drafting can give at most {bd['bound']:.2f}x")
+    m = results["memory"]
+    print(f"KV cache at batch {m['batch']}: standard {m['stock_cache_bytes'] / 2**20:.1f} MiB; hybrid "
+          + ", ".join(f"{c} {v / 2**20:.1f} MiB" for c, v in m["hybrid_cache_bytes"].items()))
+    print(f"\nwrote {out / 'decoding.json'} and {out / 'decoding_throughput.png'}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

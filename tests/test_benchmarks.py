@@ -1,0 +1,23 @@
+"""Smoke run of the decoding benchmark on a tiny random model."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_decoding  # noqa: E402
+
+
+def test_decoding_benchmark_smoke(tmp_path):
+    bench_decoding.main(["--smoke", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "decoding.json").read_text())
+    assert (tmp_path / "decoding_throughput.png").stat().st_size > 1000
+    greedy = [r for r in res["throughput"] if not r["sampling"]]
+    assert {(r["batch"], r["adapters"]) for r in greedy} == {(1, 1), (4, 1), (4, 4)}
+    for r in greedy:  # every configuration decoded the same tokens as stock PEFT
+        assert all(c["identical_to_stock"] for c in r["configs"].values())
+        assert all(c["tokens_per_s"] > 0 for c in r["configs"].values())
+    assert set(res["acceptance"]) == {"greedy", "sampling"}
+    assert all(0 <= a["acceptance"] <= 1 for a in res["acceptance"]["greedy"]["per_adapter"].values())
+    assert res["memory"]["stock_cache_bytes"] > 0 and res["memory"]["hybrid_cache_bytes"]
+    assert all(b["bound"] > 0 for b in res["bound"])
