@@ -2,7 +2,8 @@
 
 SmolLM2-135M shape (random weights from a LlamaConfig), LoRA on all 7 linear modules, fp32.
 For each rank, batch and number of distinct adapters (rows assigned round-robin) it measures
-  - per-layer delta: one LoRA layer's forward (up_proj, 576 -> 1536) minus its base layer's;
+  - per-layer delta: one LoRA layer's forward minus its base layer's, for down_proj (1536 -> 576),
+    which shares no shrink with a sibling, so every timed call pays a full shrink + expand;
   - a decode step: model(input_ids [batch, 1], logits_to_keep=1), for the base model (PEFT with
     adapters disabled), the bank with no LoRA (a draft pass), stock PEFT (adapter_names=...) and
     the bank + torch path, run interleaved so that the ratios share the machine's conditions.
@@ -57,7 +58,7 @@ def bench_config(pm, layer, n_adapters, batch, repeats):
     names = [f"ad{i % n_adapters}" for i in range(batch)]
     bank = get_bank(pm)
     ids = torch.randint(0, SMOLLM2_135M["vocab_size"], (batch, 1))
-    x = torch.randn(batch, 1, SMOLLM2_135M["hidden_size"])
+    x = torch.randn(batch, 1, SMOLLM2_135M["intermediate_size"])
     with torch.no_grad(), bank.installed():
         bank.set_batch(bank.slots(names), 1)
         got = pm(ids, logits_to_keep=1).logits
@@ -112,7 +113,7 @@ def main():
     rows = []
     header = (f"{'rank':>4} {'adapt':>5} {'batch':>5} | {'layer delta us':>16} | {'step ms: base':>13} {'no-LoRA':>8}"
               f" {'PEFT':>8} {'torch':>8} | {'torch/base':>10} {'PEFT/torch':>10}")
-    print(f"threads={args.threads}, repeats={repeats}; layer delta: PEFT / torch path (up_proj 576->1536)")
+    print(f"threads={args.threads}, repeats={repeats}; layer delta: PEFT / torch path (down_proj 1536->576)")
     print(header)
     for rank in ranks:
         per_adapter_gb = rank * 10176 * 30 * 4 / 1e9  # 7 modules' (in + out) per layer, 30 layers, fp32
@@ -123,7 +124,7 @@ def main():
         if not fitting:
             continue
         pm = build(rank, max(fitting))
-        layer = pm.base_model.model.model.layers[0].mlp.up_proj
+        layer = pm.base_model.model.model.layers[0].mlp.down_proj
         for n in fitting:
             for batch in batches:
                 r = dict(rank=rank, adapters=n, batch=batch, **bench_config(pm, layer, n, batch, repeats))

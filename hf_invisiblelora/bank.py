@@ -19,8 +19,8 @@ from . import kernels
 BASE = "__base__"
 _BANK_ATTR = "_invisiblelora_bank"
 # Sibling LoRA layers that read the same input tensor in the architectures we know. Their shrinks
-# become one matmul over the concatenated A (measured on the CPU: one shrink for q/k/v costs about
-# what a single one does, ~40% of three). Only used when the siblings really get the same tensor.
+# become one matmul over the concatenated A (measured on the CPU: one shrink for q/k/v costs
+# 40-45% of three separate ones). Only used when the siblings really get the same tensor.
 SHARED_INPUT = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})
 
 
