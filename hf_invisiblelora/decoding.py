@@ -46,7 +46,10 @@ def forward(model, cache: HybridCache, ids, start, kv_len: int, keep: int):
 
 
 def draft(model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors, do_sample, generator):
-    """k LoRA-off passes of one token per row; returns drafts [B, k] and their probabilities [B, k, V] (sampling)."""
+    """k LoRA-off passes of one token per row; returns drafts [B, k] and their probabilities [B, k, V] (sampling).
+
+    Each draft is written into ``tokens`` at once: the next draft step and the logits processors read it there.
+    """
     lora.off()
     last = prompt_len + gen - 1
     x = tokens.gather(1, last[:, None])
@@ -62,8 +65,9 @@ def draft(model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors, do_
         tokens.scatter_(1, (prompt_len + gen + j)[:, None], d[:, None])
         drafts.append(d)
         x = d[:, None]
-    empty = tokens.new_zeros(tokens.shape[0], 0)
-    return (torch.stack(drafts, 1) if drafts else empty), (torch.stack(probs, 1) if probs else None)
+    if not drafts:  # k = 0: a plain step follows
+        return tokens.new_zeros(tokens.shape[0], 0), None
+    return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
 
 
 def verify(model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors):
@@ -154,12 +158,10 @@ def run(model, input_ids, attention_mask, lora, processors, stopping_criteria, c
         stats.cycles += 1
         stats.k_per_cycle.append(k)
         stats.draft_passes += k
-        drafts, draft_probs = tokens.new_zeros(b, 0), None
-        if k:
-            with timer("draft"):
-                drafts, draft_probs = draft(
-                    model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors, do_sample, generator
-                )
+        with timer("draft"):
+            drafts, draft_probs = draft(
+                model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors, do_sample, generator
+            )
         with timer("verify"):
             scores = verify(model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors)
 
