@@ -120,7 +120,7 @@ def _triton_ops():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("seed", range(21))
+@pytest.mark.parametrize("seed", range(14))  # each popularity pattern twice
 def test_triton_kernels(seed, dtype):
     if dtype == torch.bfloat16 and _triton_device() == "cpu":
         pytest.skip("Triton's interpreter mishandles bf16 loads/stores")
@@ -142,7 +142,7 @@ def test_triton_interpreter():
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_triton_kernels"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert re.search(r"\b45 passed", run.stdout), run.stdout[-1000:]  # fp32 and fp16 ran; bf16 skipped
+    assert re.search(r"\b31 passed", run.stdout), run.stdout[-1000:]  # fp32 and fp16 ran; bf16 skipped
 
 
 def test_make_meta():
