@@ -119,12 +119,8 @@ def acceptance(model, tok, names, prompts_for, per_adapter, new_tokens):
             o = model.generate(**enc, adapter_names=rows, max_new_tokens=new_tokens, invisible_lora=True,
                                gate="always", num_draft_tokens=4, return_dict_in_generate=True, **kw)
         s = o.stats
-        per = {}
-        for name in names:
-            idx = [i for i, r in enumerate(rows) if r == name]
-            # committed tokens per cycle and row (the prefill's token included; rows stopped by EOS count less)
-            per[name] = dict(acceptance=s.per_adapter[name]["acceptance"],
-                             tokens_per_cycle=sum(s.committed[i] for i in idx) / (len(idx) * max(1, s.cycles)))
+        per = {n: dict(acceptance=v["acceptance"], tokens_per_cycle=v["tokens_per_cycle"])
+               for n, v in s.per_adapter.items()}
         out[mode] = dict(per_adapter=per, median=statistics.median(v["acceptance"] for v in per.values()))
     return out
 

@@ -127,7 +127,7 @@ def run(model, input_ids, attention_mask, lora, processors, stopping_criteria, c
     cache = HybridCache(model.config, pad, prompt_len + max_new + max_draft_tokens)
     gen = input_ids.new_zeros(b)
     done = torch.zeros(b, dtype=torch.bool, device=device)
-    drafted, accepted = gen.clone(), gen.clone()
+    drafted, accepted, row_cycles = gen.clone(), gen.clone(), gen.clone()
     gen_h, done_h = [0] * b, [False] * b
     timer = PassTimer(device)
 
@@ -140,6 +140,7 @@ def run(model, input_ids, attention_mask, lora, processors, stopping_criteria, c
         n, next_token = accept(drafts, draft_probs, scores, do_sample, generator)
         active, active_h = ~done, [not d for d in done_h]
         drafted += active * k
+        row_cycles += active
         accepted += active * n
         kept, done, kept_h, done_h, n_h = commit(
             tokens, gen, done, n, next_token, k, prompt_len, max_new, eos, criteria, pad_id
@@ -168,6 +169,7 @@ def run(model, input_ids, attention_mask, lora, processors, stopping_criteria, c
     if streamer is not None:
         streamer.end()
     stats.drafted, stats.accepted, stats.committed = drafted.tolist(), accepted.tolist(), gen_h
+    stats.row_cycles = (row_cycles - 1).tolist()  # the prefill is not a cycle
     stats.cache_bytes = sum(x.keys.nbytes + x.values.nbytes for x in cache.layers if x.is_initialized)
     sequences = tokens[:, : prompt_len + max(gen_h)].clone()
     past_end = torch.arange(sequences.shape[1], device=device) >= (prompt_len + gen)[:, None]

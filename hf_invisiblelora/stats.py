@@ -22,6 +22,7 @@ class DecodingStats:
     drafted: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
+    row_cycles: list[int] = field(default_factory=list)  # cycles each row took part in before it finished
     cache_bytes: int = 0  # the hybrid KV cache's allocation (keys + values, all layers)
 
     def __post_init__(self):
@@ -29,6 +30,7 @@ class DecodingStats:
         self.drafted = self.drafted or [0] * n
         self.accepted = self.accepted or [0] * n
         self.committed = self.committed or [0] * n
+        self.row_cycles = self.row_cycles or [0] * n
 
     @property
     def gate_skips(self) -> int:
@@ -41,16 +43,24 @@ class DecodingStats:
         return sum(self.accepted) / drafted if drafted else 0.0
 
     @property
+    def tokens_per_cycle(self) -> float:
+        """Tokens a row commits per cycle (after the prefill's first token), over all rows."""
+        cycles = sum(self.row_cycles)
+        return sum(c - 1 for c in self.committed if c) / cycles if cycles else 0.0
+
+    @property
     def per_adapter(self) -> dict[str, dict]:
         out: dict[str, dict] = {}
-        for name, d, a, c in zip(self.adapter_names, self.drafted, self.accepted, self.committed):
-            s = out.setdefault(name, {"rows": 0, "drafted": 0, "accepted": 0, "committed": 0})
+        for name, d, a, c, n in zip(self.adapter_names, self.drafted, self.accepted, self.committed, self.row_cycles):
+            s = out.setdefault(name, {"rows": 0, "drafted": 0, "accepted": 0, "committed": 0, "cycles": 0})
             s["rows"] += 1
             s["drafted"] += d
             s["accepted"] += a
             s["committed"] += c
+            s["cycles"] += n
         for s in out.values():
             s["acceptance"] = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
+            s["tokens_per_cycle"] = (s["committed"] - s["rows"]) / s["cycles"] if s["cycles"] else 0.0
         return out
 
     def to_dict(self) -> dict:
@@ -62,6 +72,8 @@ class DecodingStats:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "committed": self.committed,
+            "row_cycles": self.row_cycles,
+            "tokens_per_cycle": self.tokens_per_cycle,
             "acceptance_rate": self.acceptance_rate,
             "per_adapter": self.per_adapter,
             "cache_bytes": self.cache_bytes,
@@ -71,11 +83,11 @@ class DecodingStats:
         lines = [
             f"cycles {self.cycles} (draft passes {self.draft_passes}, "
             f"gate skipped drafting {self.gate_skips}x); acceptance {self.acceptance_rate:.1%}; "
-            f"tokens per cycle {sum(self.committed) / max(self.cycles, 1) / max(len(self.committed), 1):.2f} per row"
+            f"{self.tokens_per_cycle:.2f} tokens per row and cycle"
         ]
         for name, s in self.per_adapter.items():
             lines.append(
                 f"  {name:>16}: rows {s['rows']}, drafted {s['drafted']}, accepted {s['accepted']} "
-                f"({s['acceptance']:.1%}), committed {s['committed']}"
+                f"({s['acceptance']:.1%}), committed {s['committed']} ({s['tokens_per_cycle']:.2f} per row and cycle)"
             )
         return "\n".join(lines)

@@ -125,8 +125,11 @@ def test_statistics_add_up():
     assert all(0 <= a <= d for a, d in zip(s.accepted, s.drafted))
     assert s.committed == [11] * len(ROWS)  # no EOS here: every row got its max_new_tokens
     assert sum(s.k_per_cycle) == s.draft_passes and len(s.k_per_cycle) == s.cycles
-    # per cycle a row commits its accepted drafts + 1 target token (the first comes from the prefill)
-    assert all(c <= 1 + s.cycles + a for c, a in zip(s.committed, s.accepted))
+    # per cycle a row commits its accepted drafts + 1 target token (the first comes from the prefill),
+    # cut at max_new_tokens
+    for c, a, n in zip(s.committed, s.accepted, s.row_cycles):
+        assert n + 1 <= c <= 1 + n + a and n <= s.cycles
+    assert max(s.row_cycles) == s.cycles
     per = s.per_adapter
     assert per["a"]["rows"] == 2 and per["a"]["drafted"] == s.drafted[0] + s.drafted[5]
     assert per["__base__"]["acceptance"] == 1.0  # the base model drafts for itself
