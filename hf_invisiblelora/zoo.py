@@ -57,7 +57,7 @@ ZOOS: dict[str, dict[str, Recipe]] = {
         "shakespeare": Recipe("shakespeare", r=16, alpha=32, targets=ATTENTION),
         "kjv": Recipe("kjv", r=8, alpha=16),
         "poetry": Recipe("poetry", r=32, alpha=32, targets=ATTENTION, rslora=True),
-        "children": Recipe("children", r=4, alpha=4),
+        "childrens_stories": Recipe("childrens_stories", r=4, alpha=4),
         "austen": Recipe("austen", r=16, alpha=16, rslora=True),
         "sotu": Recipe("sotu", r=64, alpha=64, targets=ATTENTION),
         "fortunes": Recipe("fortunes", r=8, alpha=8, targets=ATTENTION),

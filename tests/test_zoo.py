@@ -5,6 +5,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from hf_invisiblelora import corpora, zoo
 
@@ -68,6 +69,8 @@ def test_recipes_vary_like_public_adapters():
     assert len(zoo.ZOOS["smollm2"]) >= 12 and len(zoo.ZOOS["gemma3"]) >= 4
     assert {r.domain for r in smol} == set(zoo.ZOOS["smollm2"])  # one adapter per domain
     assert all(r.domain in corpora.DOMAINS for z in zoo.ZOOS.values() for r in z.values())
+    # PEFT stores adapters in ModuleDicts: a name like "children" clashes with nn.Module attributes.
+    assert not [n for z in zoo.ZOOS.values() for n in z if hasattr(torch.nn.Module, n)]
     assert min(r.r for r in smol) == 4 and max(r.r for r in smol) == 64
     assert {r.targets_label for r in smol} == {"attention", "all-linear"} and {r.rslora for r in smol} == {True, False}
 
