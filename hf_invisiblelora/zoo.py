@@ -70,7 +70,8 @@ ZOOS: dict[str, dict[str, Recipe]] = {
     "gemma3": {
         "shakespeare": Recipe("shakespeare", r=8, alpha=16, targets=ATTENTION, steps=16),
         "kjv": Recipe("kjv", r=16, alpha=32, steps=16),
-        "python_code": Recipe("python_code", r=32, alpha=32, rslora=True, steps=16),
+        # alpha 32 (rsLoRA scale 5.7) made Gemma's held-out loss rise (3.37 -> 3.90); scale 1.4 does not.
+        "python_code": Recipe("python_code", r=32, alpha=8, rslora=True, steps=16),
         "sotu": Recipe("sotu", r=4, alpha=8, targets=ATTENTION, steps=16),
     },
 }
@@ -187,8 +188,9 @@ def build(model: str = "smollm2", only: list[str] | None = None, recipes: dict[s
         entry["build_seconds"] = round(time.perf_counter() - start, 1)
         manifest["adapters"][name] = entry
         write_manifest(folder, manifest)
+        verdict = "" if entry["adapter_loss"] < entry["base_loss"] else "  WARNING: did not specialise"
         tqdm.write(f"{name}: held-out loss {entry['base_loss']:.3f} -> {entry['adapter_loss']:.3f} "
-                   f"({entry['train_seconds']:.0f} s training)")
+                   f"({entry['train_seconds']:.0f} s training){verdict}")
     return folder
 
 
