@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 from peft import PeftModel, PeftModelForCausalLM
+from peft.tuners.lora.model import _adapter_names_pre_forward_hook
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 
 from .adapters import BASE, SWITCHES, check_servable, resolve_adapter_names
@@ -132,7 +133,21 @@ def _with_flag(stock):
         ours = [o for o in OPTIONS if o in kwargs]
         if ours:
             raise ValueError(f"{ours} only apply with invisible_lora=True.")
-        return stock(self, *args, **kwargs)
+        try:
+            return stock(self, *args, **kwargs)
+        except Exception:
+            _drop_leaked_peft_hooks(self)
+            raise
 
     generate_._invisible_lora = True
     return generate_
+
+
+def _drop_leaked_peft_hooks(model) -> None:
+    """PEFT installs its ``adapter_names`` pre-hooks without try/finally: after an exception
+    (e.g. its own length check) they stay and break every later call. Remove them."""
+    for m in model.modules():
+        for hid, hook in list(m._forward_pre_hooks.items()):
+            if isinstance(hook, functools.partial) and hook.func is _adapter_names_pre_forward_hook:
+                del m._forward_pre_hooks[hid]
+                m._forward_pre_hooks_with_kwargs.pop(hid, None)

@@ -141,3 +141,13 @@ def test_wrong_length_then_a_good_call(model):
     good = call(model, do_sample=False)
     ref = model.generate(input_ids=IDS, attention_mask=MASK, adapter_names=["a", "b"], max_new_tokens=4, do_sample=False)
     assert torch.equal(good, ref)
+
+
+def test_stock_failure_leaves_no_peft_hooks(model):
+    """PEFT's own generate leaks its adapter_names hooks when a forward fails; the flag's wrapper cleans up."""
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="Length of `adapter_names`|same as the number of inputs"):
+        model.generate(input_ids=IDS, attention_mask=MASK, adapter_names=["a", "b", "a"], max_new_tokens=3)
+    assert_unchanged(model, before)
+    ref = model.generate(input_ids=IDS, attention_mask=MASK, adapter_names=["a", "b"], max_new_tokens=4, do_sample=False)
+    assert torch.equal(call(model, do_sample=False), ref)
