@@ -180,3 +180,28 @@ def test_siblings_share_one_shrink_only_for_the_same_input(monkeypatch):
             got = attn.q_proj(x1), attn.k_proj(x2)
     assert_same(got[0], expected[0])
     assert_same(got[1], expected[1])
+
+
+def test_greedy_decoding_matches_peft():
+    """Prefill (5 tokens per row) then 1-token steps with a KV cache: same tokens as stock PEFT."""
+    pm = build("qwen2")
+    names = ["poem", "__base__", "code", "chat"]
+    prompt = torch.randint(0, TINY["vocab_size"], (len(names), 5))
+
+    def greedy(step):
+        ids, cache, tokens = prompt, None, []
+        for _ in range(6):
+            out = step(ids, cache)
+            cache, ids = out.cache, out.logits[:, -1:].argmax(-1)
+            tokens.append(ids)
+        return torch.cat(tokens, 1)
+
+    with torch.no_grad():
+        expected = greedy(lambda ids, cache: pm(ids, cache=cache, use_cache=True, adapter_names=names))
+        bank = get_bank(pm)
+        with bank.installed():
+            def bank_step(ids, cache):
+                bank.set_batch(bank.slots(names), ids.shape[1])
+                return pm(ids, cache=cache, use_cache=True)
+            got = greedy(bank_step)
+    assert torch.equal(got, expected)
