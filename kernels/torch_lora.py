@@ -30,21 +30,24 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride() if s != 1)
 
 
-def _grouped_weight(W: torch.Tensor, meta) -> torch.Tensor:
-    """W [S, N, K] -> W[active].transpose(1, 2) as a contiguous [n_active, K, N], cached."""
+def _grouped_weight(W: torch.Tensor, meta):
+    """W [S, N, K] -> (W[active].transpose(1, 2) as a contiguous [n_active, K, N], whether
+    grouped_mm can take it), cached: a decode loop pays the copy and the checks once."""
     hit = meta.cache.get(id(W))
     if hit is None or hit[0] is not W:  # the identity check guards against a recycled id()
-        hit = (W, W.index_select(0, meta.active).transpose(1, 2).contiguous())
-        meta.cache[id(W)] = hit
-    return hit[1]
+        w = W.index_select(0, meta.active).transpose(1, 2).contiguous()
+        grouped = _HAS_GROUPED_MM and w.device.type == "cpu" and w.dtype in _GROUPED_MM_DTYPES and _aligned(w)
+        hit = meta.cache[id(W)] = (W, w, grouped)
+    return hit[1], hit[2]
 
 
-def _segment_mm(a: torch.Tensor, w: torch.Tensor, meta) -> torch.Tensor:
+def _segment_mm(a: torch.Tensor, W: torch.Tensor, meta) -> torch.Tensor:
     """Semantics:
-        g-th segment of rows (meta.active_counts[g] of them, in order): out[seg] = a[seg] @ w[g]
-    a: [n, K] (n = num_lora_tokens); w: [n_active, K, N] -> out [n, N].
+        g-th segment of rows (meta.active_counts[g] of them, in order): out[seg] = a[seg] @ W[active[g]].T
+    a: [n, K] (n = num_lora_tokens); W: [S, N, K] -> out [n, N].
     """
-    if _HAS_GROUPED_MM and a.device.type == "cpu" and a.dtype in _GROUPED_MM_DTYPES and _aligned(a) and _aligned(w):
+    w, grouped = _grouped_weight(W, meta)
+    if grouped and _aligned(a):
         return torch._grouped_mm(a, w, offs=meta.offsets)
     # float64, odd strides, other devices: a loop over the active slots only.
     out = a.new_empty(a.shape[0], w.shape[2])
@@ -68,7 +71,7 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, meta, scale: float = 1.0) -> t
         xs = x[meta.lora_range[0] : meta.lora_range[1]]
     else:
         xs = x.index_select(0, meta.sorted_tokens[: meta.num_lora_tokens])
-    y = _segment_mm(xs, _grouped_weight(A, meta), meta)
+    y = _segment_mm(xs, A, meta)
     return y if scale == 1.0 else y.mul_(scale)
 
 
@@ -77,11 +80,11 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, B: torch.Tensor, meta) -> No
         for i in range(n):                       # n = meta.num_lora_tokens
             t = meta.sorted_tokens[i]
             out[t] += y[i] @ B[meta.token_slots[t]].T
-    out: [T, O] (updated in place); y: [n, R] from lora_shrink; B: [S, O, R].
+    out: [T, O] (updated in place); y: [n, R] from lora_shrink (B's dtype); B: [S, O, R].
     """
     if meta.no_lora:
         return
-    delta = _segment_mm(y.to(B.dtype), _grouped_weight(B, meta), meta)
+    delta = _segment_mm(y, B, meta)
     if meta.lora_range is not None:
         out[meta.lora_range[0] : meta.lora_range[1]].add_(delta)  # not +=, which copies the slice back
     else:
