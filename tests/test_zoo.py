@@ -84,8 +84,8 @@ def test_manifest_round_trip_and_table(tmp_path):
     assert zoo.read_manifest(tmp_path / "z") == manifest and not (tmp_path / "z" / "manifest.json.tmp").exists()
     assert not zoo.is_built(tmp_path / "z", "demo", manifest)  # listed, but no adapter file
     assert "| demo | Demo text | 4 | 8 | attention | False | 3.210 -> 2.500 | 12 |" in zoo.table(manifest)
-    manifest["acceptance"] = {"per_adapter": {"demo": 0.75}}
-    assert zoo.table(manifest).splitlines()[-1].endswith(" 0.75 |")
+    manifest["acceptance"] = {"per_adapter": {"demo": 0.75}, "drafted_accepted": {"demo": [8, 6]}}
+    assert zoo.table(manifest).splitlines()[-1].endswith(" 0.75 (6/8) |")
 
 
 @pytest.fixture
