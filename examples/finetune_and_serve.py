@@ -101,7 +101,7 @@ print(list(model.peft_config))
 # multi-adapter `generate()`.
 
 # %%
-prompts = ["Ham. My Lord, I", "def read_config(path):\n", "Enter the King and Queene.\n", "Once upon a time"]
+prompts = ["Ham. My Lord, I", 'def read_config(path):\n    """', "Enter the King and Queene.\n", "Once upon a time"]
 adapter_names = ["shakespeare", "python_code", "shakespeare", "__base__"]
 enc = tok(prompts, return_tensors="pt", padding=True)
 gen = dict(adapter_names=adapter_names, do_sample=False, max_new_tokens=24, pad_token_id=tok.pad_token_id)
