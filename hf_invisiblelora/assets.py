@@ -151,14 +151,6 @@ def prepare(name: str = "smollm2") -> Path:
     return convert_gguf(MODELS[name].locate_gguf(), out)
 
 
-def load(name: str = "smollm2"):
-    """(model, tokenizer) of a prepared base model, fp32, eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = prepare(name)
-    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hf_invisiblelora.assets", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
