@@ -87,6 +87,7 @@ class AdapterBank:
         self._signature = None
         self._meta = None  # metadata of the next forward; None = no LoRA
         self._last_meta = None  # last LoRA metadata: its weight cache outlives draft passes
+        self._memo_rows, self._memo = None, {}  # metadata per tokens_per_row for the current row_slots
         self.sync()
 
     def _current_signature(self):
@@ -125,6 +126,7 @@ class AdapterBank:
         self.ops = kernels.get_backend(self.device, weight.dtype)
         self._signature = signature
         self._meta = self._last_meta = None  # their weight caches refer to the old stacks
+        self._memo_rows, self._memo = None, {}
 
     def _make_groups(self):
         siblings = {}
@@ -154,12 +156,20 @@ class AdapterBank:
 
     def set_batch(self, row_slots, tokens_per_row: int) -> None:
         """Metadata for the next forward(s): x is [B, tokens_per_row, H] and row r uses slot
-        row_slots[r] for all its tokens. row_slots=None: no LoRA at all (base model cost)."""
+        row_slots[r] for all its tokens. row_slots=None: no LoRA at all (base model cost).
+        Metadata is memoized per row_slots object: pass a new tensor rather than editing one in place."""
         if row_slots is None:
             self._meta = None
             return
-        token_slots = torch.as_tensor(row_slots, device=self.device).repeat_interleave(tokens_per_row)
-        self._meta = kernels.make_meta(token_slots, len(self.adapter_names), previous=self._last_meta)
+        # A decoding loop alternates a few (row_slots, tokens_per_row) pairs: build each metadata once
+        # per call (building reads counts back to the host: a device sync on CUDA).
+        if self._memo_rows is not row_slots:
+            self._memo_rows, self._memo = row_slots, {}
+        self._meta = self._memo.get(tokens_per_row)
+        if self._meta is None:
+            token_slots = torch.as_tensor(row_slots, device=self.device).repeat_interleave(tokens_per_row)
+            self._meta = kernels.make_meta(token_slots, len(self.adapter_names), previous=self._last_meta)
+            self._memo[tokens_per_row] = self._meta
         if not self._meta.no_lora:
             self._last_meta = self._meta
 
