@@ -198,6 +198,10 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks/results", help="folder for decoding.json and plots")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="a subset (baseline is always run)")
+    p.add_argument("--no-extras", action="store_true", help="throughput grid only (no acceptance, bound, memory)")
+    p.add_argument("--batches", nargs="+", type=int, help="override the grid's batch sizes")
+    p.add_argument("--adapter-counts", nargs="+", type=int, help="override the grid's distinct-adapter counts")
     args = p.parse_args(argv)
     if args.smoke:
         batches, adapter_counts, args.repeats, args.new_tokens = [1, 4], [1, 4], 1, 6
@@ -205,6 +209,7 @@ def main(argv=None):
         batches, adapter_counts = [1, 4, 16], [1, 4, 12]
     else:
         batches, adapter_counts = [1, 4, 16, 32], [1, 2, 4, 8, 12]
+    batches, adapter_counts = args.batches or batches, args.adapter_counts or adapter_counts
     model, tok, names, prompts_for = load(args.smoke)
     adapter_counts = [a for a in adapter_counts if a <= len(names)] or [len(names)]
     out = Path(args.out)
@@ -219,27 +224,32 @@ def main(argv=None):
             rows, enc = workload(tok, names, prompts_for, a, b)
             for sampling in (False, True) if a == max(adapter_counts) else (False,):
                 configs = list(CONFIGS) if not sampling else ["stock_peft", "baseline", "k2", "gate"]
+                if args.configs:
+                    configs = [c for c in configs if c in args.configs or c == "baseline"]
                 r = measure(model, rows, enc, configs, args.new_tokens, args.repeats, sampling)
                 results["throughput"].append(dict(batch=b, adapters=a, sampling=sampling, configs=r))
                 print(table(dict(throughput=results["throughput"][-1:])).splitlines()[-1], flush=True)
-    results["acceptance"] = acceptance(model, tok, names, prompts_for, 2 if args.smoke else 4, args.new_tokens)
-    results["bound"] = [bound(model, tok, names, prompts_for, b, args.repeats) for b in batches]
-    rows, enc = workload(tok, names, prompts_for, len(names), max(batches))
-    results["memory"] = dict(batch=max(batches), stock_cache_bytes=stock_cache_bytes(model, enc, rows, args.new_tokens),
-                             hybrid_cache_bytes={c: r["configs"][c]["cache_bytes"] for r in results["throughput"][-1:]
-                                                 for c in r["configs"] if r["configs"][c]["cache_bytes"]})
+    if not args.no_extras:
+        results["acceptance"] = acceptance(model, tok, names, prompts_for, 2 if args.smoke else 4, args.new_tokens)
+        results["bound"] = [bound(model, tok, names, prompts_for, b, args.repeats) for b in batches]
+        rows, enc = workload(tok, names, prompts_for, len(names), max(batches))
+        results["memory"] = dict(
+            batch=max(batches), stock_cache_bytes=stock_cache_bytes(model, enc, rows, args.new_tokens),
+            hybrid_cache_bytes={c: v["cache_bytes"] for c, v in results["throughput"][-1]["configs"].items()
+                                if v["cache_bytes"]})
     (out / "decoding.json").write_text(json.dumps(results, indent=1))
     plot(results, out / "decoding_throughput.png")
     print("\n" + table(results))
-    for mode, acc in results["acceptance"].items():
+    for mode, acc in results.get("acceptance", {}).items():
         print(f"\nacceptance ({mode}, k=4): median {acc['median']:.1%}; "
               + ", ".join(f"{n} {v['acceptance']:.0%}" for n, v in acc["per_adapter"].items()))
-    for bd in results["bound"]:
+    for bd in results.get("bound", []):
         print(f"bound at batch {bd['batch']}: base step {bd['base_step_ms']:.1f} ms, LoRA-on step "
               f"{bd['lora_step_ms']:.1f} ms -> drafting can give at most {bd['bound']:.2f}x")
-    m = results["memory"]
-    print(f"KV cache at batch {m['batch']}: standard {m['stock_cache_bytes'] / 2**20:.1f} MiB; hybrid "
-          + ", ".join(f"{c} {v / 2**20:.1f} MiB" for c, v in m["hybrid_cache_bytes"].items()))
+    if "memory" in results:
+        m = results["memory"]
+        print(f"KV cache at batch {m['batch']}: standard {m['stock_cache_bytes'] / 2**20:.1f} MiB; hybrid "
+              + ", ".join(f"{c} {v / 2**20:.1f} MiB" for c, v in m["hybrid_cache_bytes"].items()))
     print(f"\nwrote {out / 'decoding.json'} and {out / 'decoding_throughput.png'}")
     return results
 

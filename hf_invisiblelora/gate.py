@@ -11,8 +11,9 @@ Acceptance is tracked per adapter (decayed success/trial counts, seeded by a pri
 are measured from the passes themselves, per batch shape (rows, distinct adapters) and tokens per
 row. Both live on the
 model, so later generate calls start informed. With nothing measured yet it calibrates: one
-plain step, one cycle at K. While drafting does not pay it re-checks now and then, with
-exponential backoff, so a wrong estimate cannot stick and exploring costs little.
+plain step, one cycle at K. While drafting does not pay it re-checks now and then with one
+k = 1 cycle, with exponential backoff kept on the model, so a wrong estimate cannot stick and
+exploring costs little.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ GATE_MODES = ("auto", "always", "never")
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 4.0  # ~70-80% measured on real small-model adapters
 DECAY = 0.98  # per observed cycle: recent acceptance counts more (adapters drift with the domain)
 COST_EMA = 0.3
-EXPLORE_AFTER = 16  # plain cycles before re-checking drafting; doubles each time it does not pay
+EXPLORE_AFTER = 16  # plain cycles before re-checking drafting; doubles each time it does not pay,
+EXPLORE_MAX = 1024  # up to this (a k = 1 probe per 1024 plain cycles costs ~0.1%)
 
 
 def check_gate(gate: str, num_draft_tokens: int) -> None:
@@ -44,6 +46,8 @@ class GateMemory:
     accepted: dict = field(default_factory=dict)  # adapter -> decayed accepted drafts
     trials: dict = field(default_factory=dict)  # adapter -> decayed drafts judged
     costs: dict = field(default_factory=dict)  # ("draft", shape) / ("verify", shape, q) -> EMA seconds
+    plain_streak: dict = field(default_factory=dict)  # shape -> plain cycles since drafting was last tried
+    explore_after: dict = field(default_factory=dict)  # shape -> plain cycles before the next re-check
 
     def acceptance(self, adapter: str) -> float:
         a, t = self.accepted.get(adapter, 0.0), self.trials.get(adapter, 0.0)
@@ -72,7 +76,6 @@ class Gate:
         self.names = adapter_names
         self.shape = (len(adapter_names), len(set(adapter_names)))  # what a pass's cost depends on
         self.is_base = torch.tensor([a == base for a in adapter_names])
-        self.plain_streak, self.explore_after = 0, EXPLORE_AFTER
 
     def choose(self, active: list[bool], longest_remaining: int) -> int:
         cap = max(0, min(self.max_k, longest_remaining - 1))
@@ -88,14 +91,19 @@ class Gate:
         acc = acc[active_t]
         rate = [expected_tokens(acc, k) / costs[k] for k in range(cap + 1)]
         best = max(range(cap + 1), key=rate.__getitem__)
-        if best == 0:
-            self.plain_streak += 1
-            if self.plain_streak >= self.explore_after:  # re-check that drafting still does not pay
-                self.plain_streak, self.explore_after = 0, self.explore_after * 2
-                return max(range(1, cap + 1), key=rate.__getitem__)
-        else:
-            self.plain_streak, self.explore_after = 0, EXPLORE_AFTER
-        return best
+        m = self.memory
+        if best:
+            m.plain_streak[self.shape], m.explore_after[self.shape] = 0, EXPLORE_AFTER
+            return best
+        # Re-check now and then that drafting still does not pay, with the cheapest probe (k = 1):
+        # it refreshes the acceptance estimates and the draft cost. The backoff lives on the model,
+        # so many short calls do not each pay for a probe.
+        m.plain_streak[self.shape] = m.plain_streak.get(self.shape, 0) + 1
+        if m.plain_streak[self.shape] >= m.explore_after.get(self.shape, EXPLORE_AFTER):
+            m.plain_streak[self.shape] = 0
+            m.explore_after[self.shape] = min(EXPLORE_MAX, 2 * m.explore_after.get(self.shape, EXPLORE_AFTER))
+            return 1
+        return 0
 
     def _costs(self):
         """Estimated seconds of a cycle with k = 0..K drafts, or None before the first measurements.

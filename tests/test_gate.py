@@ -76,9 +76,12 @@ def test_calibrates_then_explores_with_backoff():
     g.observe(0, [0] * 4, [True] * 4, None, verify_s=0.1)
     assert g.choose([True] * 4, 50) == K  # then: measure one full cycle
     g.observe(K, [1, 0, 1, K], [True] * 4, draft_s=4 * 0.1, verify_s=0.5)
-    # Measured: drafting does not pay. Plain steps, a re-check after EXPLORE_AFTER, the next 2x later.
-    picks = [g.choose([True] * 4, 50) for _ in range(4 * EXPLORE_AFTER)]
-    assert [i for i, k in enumerate(picks) if k] == [EXPLORE_AFTER - 1, 3 * EXPLORE_AFTER - 1]
+    # Measured: drafting does not pay. Plain steps, a k = 1 re-check after EXPLORE_AFTER, the next 2x later,
+    # and the backoff carries over to the next generate call (a new Gate on the same memory).
+    picks = [g.choose([True] * 4, 50) for _ in range(2 * EXPLORE_AFTER)]
+    later = Gate("auto", K, ROWS, g.memory, "__base__")
+    picks += [later.choose([True] * 4, 50) for _ in range(2 * EXPLORE_AFTER)]
+    assert [(i, k) for i, k in enumerate(picks) if k] == [(EXPLORE_AFTER - 1, 1), (3 * EXPLORE_AFTER - 1, 1)]
 
 
 def test_obvious_cases():
