@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from hf_invisiblelora.gate import EXPLORE_AFTER, Gate, GateMemory, PassTimer, expected_tokens
+from hf_invisiblelora.gate import EXPLORE_AFTER, MARGIN, Gate, GateMemory, PassTimer, expected_tokens
 
 K = 4
 ROWS = ["x", "y", "x", "__base__"]
@@ -25,6 +25,7 @@ def gate_with(costs_by_q, draft_cost, acceptance, rows=ROWS, mode="auto"):
 
 def brute_force_best(costs_by_q, draft_cost, acc):
     rate = [expected_tokens(acc, k) / (k * draft_cost + costs_by_q[k + 1]) for k in range(K + 1)]
+    rate[0] *= MARGIN  # drafting must promise a margin over a plain step
     return max(range(K + 1), key=rate.__getitem__)
 
 
@@ -100,3 +101,13 @@ def test_pass_timer_on_cpu():
         time.sleep(0.02)
     spans = timer.collect()
     assert 0.015 < spans["verify"] < 1.0 and timer.collect() == {}
+
+
+def test_marginal_gains_do_not_trigger_drafting():
+    # k = 1 promises 3% more tokens/s than a plain step: within the noise margin, so no drafting.
+    a = 0.9
+    plain = 0.2
+    t1 = (1 + a) * plain / 1.03  # time of a k = 1 cycle that gives 1.03x the plain rate
+    costs = {1: plain, 2: t1 - 0.1, 3: 10.0, 4: 10.0, 5: 10.0}
+    g = gate_with(costs, 0.1, {"x": a, "y": a}, rows=["x", "y"])
+    assert g.choose([True, True], 50) == 0
