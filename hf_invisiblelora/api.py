@@ -50,7 +50,6 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     names = resolve_adapter_names(model, adapter_names, input_ids.shape[0])
     streamer = kwargs.pop("streamer", None)
     tokenizer = kwargs.pop("tokenizer", None)
-    kwargs.pop("assistant_tokenizer", None)
     _move_stop_strings(model, kwargs, tokenizer)
     stats = DecodingStats(names, num_draft_tokens)
 
