@@ -14,17 +14,18 @@ from peft.tuners.lora.model import _adapter_names_pre_forward_hook
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 
 from .adapters import BASE, SWITCHES, check_servable, resolve_adapter_names
-from .decoding import InvisibleLoRAOutput, run
+from .compiled import CompiledForward, backend_for
+from .decoding import EagerForward, InvisibleLoRAOutput, run
 from .gate import Gate, check_gate, memory_of
 from .stats import DecodingStats
 
-OPTIONS = ("num_draft_tokens", "gate", "lora_backend", "generator")  # generate() keywords that only InvisibleLoRA reads
+OPTIONS = ("num_draft_tokens", "gate", "lora_backend", "generator", "compile")  # generate() keywords that only InvisibleLoRA reads
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer")
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
 def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 4, gate: str = "auto",
-             lora_backend: str = "bank", generator=None, **kwargs):
+             lora_backend: str = "bank", generator=None, compile="auto", **kwargs):
     """Lossless InvisibleLoRA decoding of a PEFT LoRA causal LM; same arguments and output as ``model.generate``.
 
     adapter_names: one adapter per row (``"__base__"`` = no adapter); default: the active adapter.
@@ -34,6 +35,11 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     lora_backend: "bank" (batched kernels over all adapters, default) or "peft" (PEFT's own
         per-adapter loop, the reference).
     generator: a ``torch.Generator`` for sampling (default: torch's global RNG).
+    compile: "auto" (CUDA graphs on CUDA; eager on the CPU, where compiling costs minutes), True
+        (torch.compile on the CPU, CUDA graphs on CUDA) or False. Compiled passes have fixed shapes
+        (rows and cache length padded to buckets) and are kept on the model for later calls; the
+        first call of a bucket pays the compilation (logged at INFO). ``hf_invisiblelora.compiled.clear``
+        drops them.
     With ``return_dict_in_generate=True`` the output has ``.stats`` (DecodingStats); the last
     call's stats are also at ``model.invisible_lora_stats``.
     """
@@ -41,6 +47,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     check_gate(gate, num_draft_tokens)
     if lora_backend not in SWITCHES:
         raise ValueError(f"lora_backend must be one of {list(SWITCHES)}, got {lora_backend!r}.")
+    compile_backend = backend_for(compile, model.device, lora_backend)
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None or kwargs.get("inputs_embeds") is not None:
         raise ValueError("invisible_lora needs input_ids (inputs_embeds are not supported).")
@@ -63,12 +70,18 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
                 raise ValueError("A streamer needs a batch of one row (as in standard generate).")
             streamer.put(input_ids.cpu())
         lora = SWITCHES[lora_backend](model, rows)
+
+        def new_forward(pad, max_len):
+            if compile_backend is None:
+                return EagerForward(inner, lora, pad, max_len)
+            return CompiledForward(inner, model, lora, pad, max_len, compile_backend, range(1, num_draft_tokens + 2))
+
         with lora.installed():
             sequences = run(
-                inner, input_ids, model_kwargs.get("attention_mask"), lora, logits_processor, stopping_criteria,
+                input_ids, model_kwargs.get("attention_mask"), new_forward, logits_processor, stopping_criteria,
                 generation_config, max_draft_tokens=num_draft_tokens,
-                gate=Gate(gate, num_draft_tokens, rows, memory_of(model), BASE), streamer=streamer,
-                generator=generator, stats=stats,
+                gate=Gate(gate, num_draft_tokens, rows, memory_of(model), BASE, variant=compile_backend or "eager"),
+                streamer=streamer, generator=generator, stats=stats,
             )
         if generation_config.return_dict_in_generate:
             return InvisibleLoRAOutput(sequences=sequences, stats=stats)

@@ -44,14 +44,16 @@ def _check_layer(name, m):
 
 
 class _Layer:
-    """One LoRA layer's stacked weights: A [S, R, in], B*scaling [S, out, R] (zeros where absent)."""
+    """One LoRA layer's stacked weights: A [S + 1, R, in], B*scaling [S + 1, out, R], zeros where an
+    adapter is absent; slot S is all zeros (no adapter), which fixed-shape forwards route base rows to.
+    R is the largest rank rounded up to a multiple of 4 (aligned slices for grouped matmuls)."""
 
     def __init__(self, m, names):
         weight = m.get_base_layer().weight
         ranks = {a: m.lora_A[a].weight.shape[0] for a in m.lora_A}
-        r_max = max(ranks.values())
-        self.A = torch.zeros(len(names), r_max, m.in_features, dtype=weight.dtype, device=weight.device)
-        self.B = torch.zeros(len(names), m.out_features, r_max, dtype=weight.dtype, device=weight.device)
+        r_max = -(-max(ranks.values()) // 4) * 4
+        self.A = torch.zeros(len(names) + 1, r_max, m.in_features, dtype=weight.dtype, device=weight.device)
+        self.B = torch.zeros(len(names) + 1, m.out_features, r_max, dtype=weight.dtype, device=weight.device)
         with torch.no_grad():
             for slot, a in enumerate(names):
                 if a in ranks:
@@ -85,6 +87,7 @@ class AdapterBank:
     def __init__(self, model):
         self.model = model
         self._signature = None
+        self.version = 0  # bumped on every rebuild of the stacks
         self._meta = None  # metadata of the next forward; None = no LoRA
         self._last_meta = None  # last LoRA metadata: its weight cache outlives draft passes
         self._memo_rows, self._memo = None, {}  # metadata per tokens_per_row for the current row_slots
@@ -121,10 +124,16 @@ class AdapterBank:
         self.adapter_names = names
         self.layers = {m: _Layer(m, names) for _, m in self.modules if len(m.lora_A)}
         self.groups = self._make_groups()
+        # One wrapper per layer for the bank's lifetime: compiled graphs guard on the forward they traced.
+        self._forwards = {
+            m: (lambda x, *args, _m=m, _layer=self.layers.get(m), **kwargs: self._forward(_m, _layer, x, *args, **kwargs))
+            for _, m in self.modules
+        }
         weight = self.modules[0][1].get_base_layer().weight
         self.device = weight.device
         self.ops = kernels.get_backend(self.device, weight.dtype)
         self._signature = signature
+        self.version += 1
         self._meta = self._last_meta = None  # their weight caches refer to the old stacks
         self._memo_rows, self._memo = None, {}
 
@@ -141,8 +150,10 @@ class AdapterBank:
         group = layer.group
         if group is None:
             return self.ops.lora_shrink(x2, layer.A, meta)
-        if not (group.x is x and group.version == x._version and group.meta is meta):
-            group.x, group.version, group.meta = x, x._version, meta
+        # Under torch.compile the graph is traced once with fixed inputs; tensor versions are not traceable.
+        version = None if torch.compiler.is_compiling() else x._version
+        if not (group.x is x and group.version == version and group.meta is meta):
+            group.x, group.version, group.meta = x, version, meta
             group.y = self.ops.lora_shrink(x2, group.A, meta)
         return group.y[:, layer.cols[0] : layer.cols[1]]
 
@@ -159,26 +170,39 @@ class AdapterBank:
         row_slots[r] for all its tokens. row_slots=None: no LoRA at all (base model cost).
         Metadata is memoized per row_slots object: pass a new tensor rather than editing one in place."""
         if row_slots is None:
-            self._meta = None
+            self.set_meta(None)
             return
         # A decoding loop alternates a few (row_slots, tokens_per_row) pairs: build each metadata once
         # per call (building reads counts back to the host: a device sync on CUDA).
         if self._memo_rows is not row_slots:
             self._memo_rows, self._memo = row_slots, {}
-        self._meta = self._memo.get(tokens_per_row)
-        if self._meta is None:
-            token_slots = torch.as_tensor(row_slots, device=self.device).repeat_interleave(tokens_per_row)
-            self._meta = kernels.make_meta(token_slots, len(self.adapter_names), previous=self._last_meta)
-            self._memo[tokens_per_row] = self._meta
-        if not self._meta.no_lora:
-            self._last_meta = self._meta
+        meta = self._memo.get(tokens_per_row)
+        if meta is None:
+            meta = self._memo[tokens_per_row] = kernels.make_meta(
+                self.token_slots(row_slots, tokens_per_row), len(self.adapter_names), previous=self._last_meta
+            )
+        self.set_meta(meta)
+        if not meta.no_lora:
+            self._last_meta = meta
 
-    def _forward(self, m, x, *args, **kwargs):
+    def token_slots(self, row_slots, tokens_per_row: int) -> torch.Tensor:
+        """[B * tokens_per_row] slot of each token of a [B, tokens_per_row] input."""
+        return torch.as_tensor(row_slots, device=self.device).repeat_interleave(tokens_per_row)
+
+    def set_meta(self, meta) -> None:
+        """Metadata of the next forward(s) as given (kernels.LoraMeta; None = no LoRA)."""
+        self._meta = meta
+        # A new pass: nothing to share with the last one. (A compiled pass also guards on what it
+        # finds here: it must always find the same, nothing.)
+        for group in self.groups:
+            group.clear()
+
+    def _forward(self, m, layer, x, *args, **kwargs):
         # PEFT's generate() hooks inject adapter_names into every LoRA layer; under installed()
         # the rows' adapters come from set_batch instead.
         kwargs.pop("adapter_names", None)
         out = m.base_layer(x, *args, **kwargs)
-        meta, layer = self._meta, self.layers.get(m)
+        meta = self._meta
         if meta is None or meta.no_lora or layer is None or m._disable_adapters:
             return out
         x2 = x.reshape(-1, x.shape[-1])
@@ -197,7 +221,7 @@ class AdapterBank:
         try:
             for _, m in self.modules:
                 saved.append((m, m.__dict__.get("forward")))
-                m.forward = lambda x, *args, _m=m, **kwargs: self._forward(_m, x, *args, **kwargs)
+                m.forward = self._forwards[m]
             yield self
         finally:
             for m, previous in saved:

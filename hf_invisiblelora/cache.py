@@ -98,3 +98,12 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # Eager attention ADDS the mask, so a boolean mask would be silently wrong there.
     zero = torch.zeros((), dtype=dtype, device=visible.device)
     return torch.where(visible, zero, torch.finfo(dtype).min)[:, None]
+
+
+def model_pass(model, cache: HybridCache, ids, start, kv_len: int, keep: int):
+    """One model pass over ``ids`` [B, q] written at per-row cache slots ``start`` [B]; logits of the last ``keep``."""
+    mask, position_ids = cache.prepare(start, ids.shape[1], kv_len, model.dtype)
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=keep
+    )
+    return out.logits

@@ -13,6 +13,8 @@ token not yet in the cache, and it is where each cycle starts:
     commit  cut at EOS / stopping criteria / max length; gen += kept
 
 The host learns each row's counts once per cycle (one device sync); everything else is batched.
+Passes go through a forward object: ``EagerForward`` here, or ``compiled.CompiledForward`` (fixed
+shapes, compiled per bucket), with the same call.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import accept_greedy, accept_sampling, sample
-from .cache import HybridCache
+from .cache import HybridCache, model_pass
 from .gate import Gate, PassTimer
 from .ragged import first_stop, process_scores, split_criteria
 from .stats import DecodingStats
@@ -36,26 +38,35 @@ class InvisibleLoRAOutput(GenerateDecoderOnlyOutput):
     stats: DecodingStats | None = None
 
 
-def forward(model, cache: HybridCache, ids, start, kv_len: int, keep: int):
-    """One model pass over ``ids`` [B, q] written at per-row cache slots ``start`` [B]; logits of the last ``keep``."""
-    mask, position_ids = cache.prepare(start, ids.shape[1], kv_len, model.dtype)
-    out = model(
-        input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=keep
-    )
-    return out.logits
+class EagerForward:
+    """Passes as they come: the batch as it is, attending to the first ``kv_len`` cache slots."""
+
+    variant = "eager"  # the gate keeps pass costs per variant
+    builds = 0  # passes compiled during the call: none
+
+    def __init__(self, model, lora, pad, max_len: int):
+        self.model, self.lora = model, lora
+        self.cache = HybridCache(model.config, pad, max_len)
+
+    def __call__(self, ids, start, kv_len: int, keep: int, lora_on: bool = True):
+        """One pass over ``ids`` [B, q] written at cache slots ``start`` [B]..; logits [B, keep, V]."""
+        if lora_on:
+            self.lora.on(ids.shape[1])
+        else:
+            self.lora.off()
+        return model_pass(self.model, self.cache, ids, start, kv_len, keep)
 
 
-def draft(model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors, do_sample, generator):
+def draft(fwd, tokens, gen, gen_h, prompt_len, k, processors, do_sample, generator):
     """k LoRA-off passes of one token per row; returns drafts [B, k] and their probabilities [B, k, V] (sampling).
 
     Each draft is written into ``tokens`` at once: the next draft step and the logits processors read it there.
     """
-    lora.off()
     last = prompt_len + gen - 1
     x = tokens.gather(1, last[:, None])
     drafts, probs = [], []
     for j in range(k):
-        logits = forward(model, cache, x, last + j, prompt_len + max(gen_h) + j, keep=1)
+        logits = fwd(x, last + j, prompt_len + max(gen_h) + j, keep=1, lora_on=False)
         scores = process_scores(processors, tokens, [prompt_len + g + j for g in gen_h], logits)[:, 0]
         if do_sample:
             d, q = sample(scores, generator)
@@ -70,12 +81,11 @@ def draft(model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors, do_
     return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
 
 
-def verify(model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors):
+def verify(fwd, tokens, gen, gen_h, prompt_len, k, processors):
     """One LoRA-on pass over [last, d_1..d_k] per row; returns processed target scores [B, k+1, V]."""
-    lora.on(k + 1)
     start = prompt_len + gen - 1
     ids = tokens.gather(1, start[:, None] + torch.arange(k + 1, device=tokens.device))
-    logits = forward(model, cache, ids, start, prompt_len + max(gen_h) + k, keep=k + 1)
+    logits = fwd(ids, start, prompt_len + max(gen_h) + k, keep=k + 1)
     return process_scores(processors, tokens, [prompt_len + g for g in gen_h], logits)
 
 
@@ -109,9 +119,13 @@ def commit(tokens, gen, done, n, next_token, k, prompt_len, max_new, eos, criter
     return kept, done, kept_h, done_h, n_h
 
 
-def run(model, input_ids, attention_mask, lora, processors, stopping_criteria, config, *, max_draft_tokens,
+def run(input_ids, attention_mask, new_forward, processors, stopping_criteria, config, *, max_draft_tokens,
         gate: Gate, streamer=None, generator=None, stats: DecodingStats):
-    """Decode ``input_ids`` [B, P] (left-padded) to ``config.max_length``; returns sequences [B, P + new]."""
+    """Decode ``input_ids`` [B, P] (left-padded) to ``config.max_length``; returns sequences [B, P + new].
+
+    ``new_forward(pad, max_len)`` makes the forward object (EagerForward's call) for a cache of
+    ``max_len`` slots per row with ``pad`` [B] left padding.
+    """
     b, prompt_len = input_ids.shape
     device = input_ids.device
     max_new = config.max_length - prompt_len
@@ -124,7 +138,8 @@ def run(model, input_ids, attention_mask, lora, processors, stopping_criteria, c
 
     tokens = input_ids.new_full((b, prompt_len + max_new + max_draft_tokens + 1), pad_id)
     tokens[:, :prompt_len] = input_ids
-    cache = HybridCache(model.config, pad, prompt_len + max_new + max_draft_tokens)
+    fwd = new_forward(pad, prompt_len + max_new + max_draft_tokens)
+    builds = fwd.builds
     gen = input_ids.new_zeros(b)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     drafted, accepted, row_cycles = gen.clone(), gen.clone(), gen.clone()
@@ -132,8 +147,7 @@ def run(model, input_ids, attention_mask, lora, processors, stopping_criteria, c
     timer = PassTimer(device)
 
     # Prefill: the prompt with LoRA on; its last position gives the first token (a verify of k = 0).
-    lora.on(prompt_len)
-    logits = forward(model, cache, input_ids, input_ids.new_zeros(b), prompt_len, keep=1)
+    logits = fwd(input_ids, input_ids.new_zeros(b), prompt_len, keep=1)
     scores = process_scores(processors, tokens, [prompt_len] * b, logits)
     drafts, draft_probs, k = tokens.new_zeros(b, 0), None, 0
     while True:
@@ -146,7 +160,7 @@ def run(model, input_ids, attention_mask, lora, processors, stopping_criteria, c
             tokens, gen, done, n, next_token, k, prompt_len, max_new, eos, criteria, pad_id
         )
         spans = timer.collect()
-        if "verify" in spans:  # not after the prefill
+        if "verify" in spans and fwd.builds == builds:  # not after the prefill, nor a pass's compilation
             gate.observe(k, n_h, active_h, spans.get("draft"), spans["verify"])
         if streamer is not None and kept_h[0]:
             streamer.put(tokens[0, prompt_len + gen_h[0] : prompt_len + gen_h[0] + kept_h[0]].cpu())
@@ -159,18 +173,17 @@ def run(model, input_ids, attention_mask, lora, processors, stopping_criteria, c
         stats.cycles += 1
         stats.k_per_cycle.append(k)
         stats.draft_passes += k
+        builds = fwd.builds
         with timer("draft"):
-            drafts, draft_probs = draft(
-                model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors, do_sample, generator
-            )
+            drafts, draft_probs = draft(fwd, tokens, gen, gen_h, prompt_len, k, processors, do_sample, generator)
         with timer("verify"):
-            scores = verify(model, lora, cache, tokens, gen, gen_h, prompt_len, k, processors)
+            scores = verify(fwd, tokens, gen, gen_h, prompt_len, k, processors)
 
     if streamer is not None:
         streamer.end()
     stats.drafted, stats.accepted, stats.committed = drafted.tolist(), accepted.tolist(), gen_h
     stats.row_cycles = (row_cycles - 1).tolist()  # the prefill is not a cycle
-    stats.cache_bytes = sum(x.keys.nbytes + x.values.nbytes for x in cache.layers if x.is_initialized)
+    stats.cache_bytes = sum(x.keys.nbytes + x.values.nbytes for x in fwd.cache.layers if x.is_initialized)
     sequences = tokens[:, : prompt_len + max(gen_h)].clone()
     past_end = torch.arange(sequences.shape[1], device=device) >= (prompt_len + gen)[:, None]
     return sequences.masked_fill_(past_end, pad_id)

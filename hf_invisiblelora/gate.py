@@ -73,10 +73,12 @@ def expected_tokens(acceptance: torch.Tensor, k: int) -> float:
 class Gate:
     """Chooses k for each cycle of one generate call; learns into a ``GateMemory``."""
 
-    def __init__(self, mode: str, max_k: int, adapter_names: list[str], memory: GateMemory, base: str):
+    def __init__(self, mode: str, max_k: int, adapter_names: list[str], memory: GateMemory, base: str,
+                 variant: str = "eager"):
         self.mode, self.max_k, self.memory = mode, max_k, memory
         self.names = adapter_names
-        self.shape = (len(adapter_names), len(set(adapter_names)))  # what a pass's cost depends on
+        # What a pass's cost depends on: rows, distinct adapters, eager or compiled.
+        self.shape = (len(adapter_names), len(set(adapter_names)), variant)
         self.is_base = torch.tensor([a == base for a in adapter_names])
 
     def choose(self, active: list[bool], longest_remaining: int) -> int:

@@ -8,6 +8,9 @@ reuses it for two ops, Punica/vLLM style:
     lora_expand(out, y, B, meta)       # out[tok_i] += y[i] @ B[slot(tok_i)].T
 
 where tok_i = meta.sorted_tokens[i] runs over the tokens that use an adapter (i < num_lora_tokens).
+Static metadata (``make_meta(..., static=True)``) has shapes fixed by T and S alone and no host
+values, so a compiled graph or a CUDA graph can read it from buffers updated in place; the torch
+path then needs weight stacks with one extra, all-zero slot S (where the no-LoRA tokens go).
 Two backends implement them with identical semantics: Triton (CUDA; CPU only under
 TRITON_INTERPRET=1) and torch (everywhere). ``get_backend`` picks one; the environment variable
 HF_INVISIBLELORA_BACKEND=auto|torch|triton forces it.
@@ -31,9 +34,8 @@ class LoraMeta:
     sorted_tokens: torch.Tensor  # [T] long: tokens stably sorted by slot, no-LoRA tokens last
     slot_counts: torch.Tensor  # [S] int32: tokens per slot
     slot_starts: torch.Tensor  # [S] int32: index in sorted_tokens of each slot's first token
-    active: torch.Tensor  # [n_active] long: slots with at least one token, ascending
-    offsets: torch.Tensor  # [n_active] int32: cumulative token counts of the active slots
-    active_counts: list  # host copy of the active slots' counts (torch path's fallback loop)
+    active: torch.Tensor | None  # [n_active] long: slots with at least one token, ascending (None: static)
+    offsets: torch.Tensor  # [n_active] int32: cumulative token counts of the active slots ([S + 1]: static)
     num_lora_tokens: int
     # (start, stop) when the LoRA tokens, sorted, are exactly tokens start..stop-1: then the torch
     # path slices x and out instead of gathering and scattering rows.
@@ -41,43 +43,43 @@ class LoraMeta:
     # Prepared weight copies for this set of active slots, filled lazily by the torch path and
     # carried over to the next forward's metadata while the active set stays the same.
     cache: dict = field(default_factory=dict)
+    static: bool = False  # shapes fixed: all slots (+ the zero slot S) take part; see make_meta
 
     @property
     def no_lora(self) -> bool:
         return self.num_lora_tokens == 0
 
 
-def make_meta(token_slots: torch.Tensor, num_slots: int, previous: LoraMeta | None = None) -> LoraMeta:
+def make_meta(token_slots: torch.Tensor, num_slots: int, previous: LoraMeta | None = None,
+              static: bool = False) -> LoraMeta:
     """Semantics:
         key[t] = token_slots[t] if token_slots[t] >= 0 else S        # no-LoRA tokens sort last
         sorted_tokens = stable_argsort(key)
         slot_counts[s] = #{t : token_slots[t] == s};  slot_starts = exclusive_cumsum(slot_counts)
         active = [s for s in range(S) if slot_counts[s] > 0];  offsets = cumsum(slot_counts[active])
+        static: active = None (all slots), offsets = cumsum([slot_counts..., #no-LoRA tokens]) [S + 1],
+                num_lora_tokens = T (no-LoRA tokens run through the zero slot S)
     token_slots: [T] long in [-1, S). `previous`: the last forward's metadata; its weight cache is
     reused when the active slots are the same.
     """
     token_slots = token_slots.long()
     key = torch.where(token_slots < 0, num_slots, token_slots)
     sorted_tokens = torch.sort(key, stable=True).indices
-    slot_counts = torch.bincount(key, minlength=num_slots + 1)[:num_slots]
+    all_counts = torch.bincount(key, minlength=num_slots + 1)
+    slot_counts = all_counts[:num_slots]
+    common = dict(token_slots=token_slots, sorted_tokens=sorted_tokens, slot_counts=slot_counts.int(),
+                  slot_starts=(slot_counts.cumsum(0) - slot_counts).int())
+    if static:
+        return LoraMeta(**common, active=None, offsets=all_counts.cumsum(0).int(),
+                        num_lora_tokens=token_slots.shape[0], lora_range=None, static=True)
     active = slot_counts.nonzero().squeeze(1)
-    active_counts = slot_counts[active].tolist()
-    n = sum(active_counts)
+    n = int(slot_counts.sum())
     lora = sorted_tokens[:n]
     start = int(lora[0]) if n else 0
     is_range = n and bool((lora == torch.arange(start, start + n, device=lora.device)).all())
-    meta = LoraMeta(
-        token_slots=token_slots,
-        sorted_tokens=sorted_tokens,
-        slot_counts=slot_counts.int(),
-        slot_starts=(slot_counts.cumsum(0) - slot_counts).int(),
-        active=active,
-        offsets=slot_counts[active].cumsum(0).int(),
-        active_counts=active_counts,
-        num_lora_tokens=n,
-        lora_range=(start, start + n) if is_range else None,
-    )
-    if previous is not None and torch.equal(previous.active.cpu(), active.cpu()):
+    meta = LoraMeta(**common, active=active, offsets=slot_counts[active].cumsum(0).int(), num_lora_tokens=n,
+                    lora_range=(start, start + n) if is_range else None)
+    if previous is not None and previous.active is not None and torch.equal(previous.active.cpu(), active.cpu()):
         meta.cache = previous.cache
     return meta
 

@@ -30,32 +30,42 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride() if s != 1)
 
 
-def _grouped_weight(W: torch.Tensor, meta):
-    """W [S, N, K] -> (W[active].transpose(1, 2) as a contiguous [n_active, K, N], whether
-    grouped_mm can take it), cached: a decode loop pays the copy and the checks once."""
+def _active_mm(a: torch.Tensor, W: torch.Tensor, meta) -> torch.Tensor:
+    """Semantics: segment_mm over the active slots: out[seg_g] = a[seg_g] @ W[meta.active[g]].T
+    a: [n, K] (n = num_lora_tokens, sorted by slot); W: [S, N, K] -> out [n, N].
+    W[active] is copied once into the layout grouped_mm reads fastest and cached in the metadata:
+    a decode loop pays the copy once.
+    """
     hit = meta.cache.get(id(W))
     if hit is None or hit[0] is not W:  # the identity check guards against a recycled id()
-        w = W.index_select(0, meta.active).transpose(1, 2).contiguous()
-        grouped = _HAS_GROUPED_MM and w.device.type == "cpu" and w.dtype in _GROUPED_MM_DTYPES and _aligned(w)
-        hit = meta.cache[id(W)] = (W, w, grouped)
-    return hit[1], hit[2]
+        hit = meta.cache[id(W)] = (W, W.index_select(0, meta.active).transpose(1, 2).contiguous())
+    return _segment_mm(a, hit[1], meta.offsets)
 
 
-def _segment_mm(a: torch.Tensor, W: torch.Tensor, meta) -> torch.Tensor:
+def _segment_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Semantics:
-        g-th segment of rows (meta.active_counts[g] of them, in order): out[seg] = a[seg] @ W[active[g]].T
-    a: [n, K] (n = num_lora_tokens); W: [S, N, K] -> out [n, N].
+        for g in range(G): out[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ w[g]       (offs[-1] = 0)
+    a: [n, K]; w: [G, K, N] (any strides); offs: [G] int32, cumulative, offs[G-1] = n -> out [n, N].
     """
-    w, grouped = _grouped_weight(W, meta)
-    if grouped and _aligned(a):
-        return torch._grouped_mm(a, w, offs=meta.offsets)
-    # float64, odd strides, other devices: a loop over the active slots only.
+    if _HAS_GROUPED_MM and a.device.type == "cpu" and a.dtype in _GROUPED_MM_DTYPES and _aligned(a) and _aligned(w):
+        return torch._grouped_mm(a, w, offs=offs)
+    # float64, odd strides, other devices: a loop over the segments.
     out = a.new_empty(a.shape[0], w.shape[2])
     start = 0
-    for g, count in enumerate(meta.active_counts):
-        torch.mm(a[start : start + count], w[g], out=out[start : start + count])
-        start += count
+    for g, stop in enumerate(offs.tolist()):
+        torch.mm(a[start:stop], w[g], out=out[start:stop])
+        start = stop
     return out
+
+
+# The same op, opaque to torch.compile: inductor cannot trace torch._grouped_mm for float32 on
+# the CPU (its meta function wants bfloat16), so compiled graphs call it as one external op.
+segment_mm = torch.library.custom_op("hf_invisiblelora::segment_mm", _segment_mm, mutates_args=())
+
+
+@segment_mm.register_fake
+def _(a, w, offs):
+    return a.new_empty(a.shape[0], w.shape[2])
 
 
 def lora_shrink(x: torch.Tensor, A: torch.Tensor, meta, scale: float = 1.0) -> torch.Tensor:
@@ -65,13 +75,16 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, meta, scale: float = 1.0) -> t
             y[i] = scale * x[t] @ A[meta.token_slots[t]].T
     x: [T, H]; A: [S, R, H] -> y: [n, R] in x's dtype (matmul accumulates in fp32 or wider).
     """
+    if meta.static:  # fixed shapes: every token, sorted by slot; no-LoRA tokens meet the zero slot S
+        y = segment_mm(x.index_select(0, meta.sorted_tokens), A.transpose(1, 2), meta.offsets)
+        return y if scale == 1.0 else y * scale
     if meta.no_lora:
         return x.new_empty(0, A.shape[1])
     if meta.lora_range is not None:
         xs = x[meta.lora_range[0] : meta.lora_range[1]]
     else:
         xs = x.index_select(0, meta.sorted_tokens[: meta.num_lora_tokens])
-    y = _segment_mm(xs, A, meta)
+    y = _active_mm(xs, A, meta)
     return y if scale == 1.0 else y.mul_(scale)
 
 
@@ -82,9 +95,12 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, B: torch.Tensor, meta) -> No
             out[t] += y[i] @ B[meta.token_slots[t]].T
     out: [T, O] (updated in place); y: [n, R] from lora_shrink (B's dtype); B: [S, O, R].
     """
+    if meta.static:
+        out.index_add_(0, meta.sorted_tokens, segment_mm(y, B.transpose(1, 2), meta.offsets))
+        return
     if meta.no_lora:
         return
-    delta = _segment_mm(y, B, meta)
+    delta = _active_mm(y, B, meta)
     if meta.lora_range is not None:
         out[meta.lora_range[0] : meta.lora_range[1]].add_(delta)  # not +=, which copies the slice back
     else:

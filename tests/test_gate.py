@@ -13,7 +13,7 @@ ROWS = ["x", "y", "x", "__base__"]
 
 def gate_with(costs_by_q, draft_cost, acceptance, rows=ROWS, mode="auto"):
     mem = GateMemory()
-    shape = (len(rows), len(set(rows)))
+    shape = (len(rows), len(set(rows)), "eager")
     for q, t in costs_by_q.items():
         mem.costs[("verify", shape, q)] = t
     if draft_cost is not None:
