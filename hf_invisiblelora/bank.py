@@ -43,17 +43,24 @@ def _check_layer(name, m):
             raise ValueError(f"adapter {a!r} in layer {name!r} has lora_bias=True: not supported by the adapter bank")
 
 
-class _Layer:
-    """One LoRA layer's stacked weights: A [S + 1, R, in], B*scaling [S + 1, out, R], zeros where an
-    adapter is absent; slot S is all zeros (no adapter), which fixed-shape forwards route base rows to.
-    R is the largest rank rounded up to a multiple of 4 (aligned slices for grouped matmuls)."""
+def _laid_out(t: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``t`` [S, M, N] with the same values, stored as [S, N, M] if ``transposed`` (a view of it)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2) if transposed else t.contiguous()
 
-    def __init__(self, m, names):
+
+class _Layer:
+    """One LoRA layer's stacked weights: A [S, R, in], B*scaling [S, out, R] (zeros where absent).
+    R is the largest rank rounded up to a multiple of 4 (aligned slices for grouped matmuls).
+    ``transposed``: store them as [S, in, R] and [S, R, out], the layout the torch path's matmuls
+    read fastest (x @ A[s].T); the Triton kernels take either through strides."""
+
+    def __init__(self, m, names, transposed: bool):
         weight = m.get_base_layer().weight
         ranks = {a: m.lora_A[a].weight.shape[0] for a in m.lora_A}
         r_max = -(-max(ranks.values()) // 4) * 4
-        self.A = torch.zeros(len(names) + 1, r_max, m.in_features, dtype=weight.dtype, device=weight.device)
-        self.B = torch.zeros(len(names) + 1, m.out_features, r_max, dtype=weight.dtype, device=weight.device)
+        zeros = lambda *shape: torch.zeros(len(names), *shape, dtype=weight.dtype, device=weight.device)  # noqa: E731
+        self.A = _laid_out(zeros(r_max, m.in_features), transposed)
+        self.B = _laid_out(zeros(m.out_features, r_max), transposed)
         with torch.no_grad():
             for slot, a in enumerate(names):
                 if a in ranks:
@@ -67,8 +74,8 @@ class _Group:
     """LoRA layers fed the same input: their A stacked along the rank axis for one shared shrink.
     The last shrink's result is kept for the siblings, keyed by the input tensor and metadata."""
 
-    def __init__(self, layers):
-        self.A = torch.cat([layer.A for layer in layers], dim=1)
+    def __init__(self, layers, transposed: bool):
+        self.A = _laid_out(torch.cat([layer.A for layer in layers], dim=1), transposed)
         start = 0
         for layer in layers:
             r = layer.A.shape[1]
@@ -122,29 +129,30 @@ class AdapterBank:
         if BASE in names:
             raise ValueError(f"an adapter may not be named {BASE!r}: PEFT uses it for 'no adapter'")
         self.adapter_names = names
-        self.layers = {m: _Layer(m, names) for _, m in self.modules if len(m.lora_A)}
-        self.groups = self._make_groups()
+        weight = self.modules[0][1].get_base_layer().weight
+        self.device = weight.device
+        self.ops = kernels.get_backend(self.device, weight.dtype)
+        transposed = self.ops is kernels.torch_lora
+        self.layers = {m: _Layer(m, names, transposed) for _, m in self.modules if len(m.lora_A)}
+        self.groups = self._make_groups(transposed)
         # One wrapper per layer for the bank's lifetime: compiled graphs guard on the forward they traced.
         self._forwards = {
             m: (lambda x, *args, _m=m, _layer=self.layers.get(m), **kwargs: self._forward(_m, _layer, x, *args, **kwargs))
             for _, m in self.modules
         }
-        weight = self.modules[0][1].get_base_layer().weight
-        self.device = weight.device
-        self.ops = kernels.get_backend(self.device, weight.dtype)
         self._signature = signature
         self.version += 1
         self._meta = self._last_meta = None  # their weight caches refer to the old stacks
         self._memo_rows, self._memo = None, {}
 
-    def _make_groups(self):
+    def _make_groups(self, transposed: bool):
         siblings = {}
         for name, m in self.modules:
             parent, _, leaf = name.rpartition(".")
             kind = next((i for i, leaves in enumerate(SHARED_INPUT) if leaf in leaves), None)
             if m in self.layers and kind is not None:
                 siblings.setdefault((parent, kind, m.in_features), []).append(self.layers[m])
-        return [_Group(layers) for layers in siblings.values() if len(layers) > 1]
+        return [_Group(layers, transposed) for layers in siblings.values() if len(layers) > 1]
 
     def _shrink(self, layer, x, x2, meta):
         group = layer.group

@@ -39,9 +39,10 @@ class _Layer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         o = self.owner
-        idx = o.write_index  # [B, 1, q, 1]
-        self.keys.scatter_(2, idx.expand(-1, self.keys.shape[1], -1, self.keys.shape[-1]), key_states)
-        self.values.scatter_(2, idx.expand(-1, self.values.shape[1], -1, self.values.shape[-1]), value_states)
+        # Indexed assignment (index_put_), not scatter_: torch.compile updates the cache in place
+        # with it, where scatter_ into a graph input copies the whole cache twice per layer.
+        self.keys[o.write_rows, :, o.write_slots] = key_states.transpose(1, 2)
+        self.values[o.write_rows, :, o.write_slots] = value_states.transpose(1, 2)
         return self.keys[:, :, : o.kv_len], self.values[:, :, : o.kv_len]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -69,7 +70,7 @@ class HybridCache(Cache):
         layer_types = getattr(text_config, "layer_types", None) or []
         self.window = getattr(text_config, "sliding_window", None) if "sliding_attention" in layer_types else None
         self.kv_len = 0
-        self.write_index = None
+        self.write_rows = self.write_slots = None  # [B, 1], [B, q]: where the next forward writes
 
     def prepare(self, start: torch.Tensor, q: int, kv_len: int, dtype: torch.dtype):
         """Set up the next forward: row b writes ``q`` slots from ``start[b]``; returns (mask, position_ids).
@@ -82,7 +83,7 @@ class HybridCache(Cache):
             raise RuntimeError(f"HybridCache overflow: {kv_len} slots needed, {self.max_len} allocated")
         device = start.device
         slots = start[:, None] + torch.arange(q, device=device)  # [B, q] query slots
-        self.write_index = slots[:, None, :, None]
+        self.write_rows, self.write_slots = torch.arange(start.shape[0], device=device)[:, None], slots
         self.kv_len = kv_len
         j = torch.arange(kv_len, device=device)[None, None, :]  # key slots
         visible = (j >= self.pad[:, None, None]) & (j <= slots[:, :, None])  # [B, q, kv]

@@ -115,7 +115,7 @@ class CompiledForward:
             padded = ids.new_zeros(self.rows, q)
             padded[:b] = ids
             self.bank.set_meta(self._static_meta(q) if lora_on else None)
-            return model_pass(self.model, self.cache, padded, state.start.zero_(), self.length, q)[:b, q - keep:]
+            return model_pass(self.model, self.cache, padded, state.start.zero_(), self.length, keep)[:b]
         if q not in state.ids:
             state.ids[q] = ids.new_zeros(self.rows, q)
         state.ids[q][:b] = ids

@@ -9,8 +9,7 @@ reuses it for two ops, Punica/vLLM style:
 
 where tok_i = meta.sorted_tokens[i] runs over the tokens that use an adapter (i < num_lora_tokens).
 Static metadata (``make_meta(..., static=True)``) has shapes fixed by T and S alone and no host
-values, so a compiled graph or a CUDA graph can read it from buffers updated in place; the torch
-path then needs weight stacks with one extra, all-zero slot S (where the no-LoRA tokens go).
+values, so a compiled graph or a CUDA graph can read it from buffers updated in place.
 Two backends implement them with identical semantics: Triton (CUDA; CPU only under
 TRITON_INTERPRET=1) and torch (everywhere). ``get_backend`` picks one; the environment variable
 HF_INVISIBLELORA_BACKEND=auto|torch|triton forces it.
@@ -35,7 +34,7 @@ class LoraMeta:
     slot_counts: torch.Tensor  # [S] int32: tokens per slot
     slot_starts: torch.Tensor  # [S] int32: index in sorted_tokens of each slot's first token
     active: torch.Tensor | None  # [n_active] long: slots with at least one token, ascending (None: static)
-    offsets: torch.Tensor  # [n_active] int32: cumulative token counts of the active slots ([S + 1]: static)
+    offsets: torch.Tensor  # [n_active] int32: cumulative token counts of the active slots ([S]: static)
     num_lora_tokens: int
     # (start, stop) when the LoRA tokens, sorted, are exactly tokens start..stop-1: then the torch
     # path slices x and out instead of gathering and scattering rows.
@@ -43,7 +42,7 @@ class LoraMeta:
     # Prepared weight copies for this set of active slots, filled lazily by the torch path and
     # carried over to the next forward's metadata while the active set stays the same.
     cache: dict = field(default_factory=dict)
-    static: bool = False  # shapes fixed: all slots (+ the zero slot S) take part; see make_meta
+    static: bool = False  # shapes fixed: all slots and all tokens take part; see make_meta
 
     @property
     def no_lora(self) -> bool:
@@ -57,20 +56,19 @@ def make_meta(token_slots: torch.Tensor, num_slots: int, previous: LoraMeta | No
         sorted_tokens = stable_argsort(key)
         slot_counts[s] = #{t : token_slots[t] == s};  slot_starts = exclusive_cumsum(slot_counts)
         active = [s for s in range(S) if slot_counts[s] > 0];  offsets = cumsum(slot_counts[active])
-        static: active = None (all slots), offsets = cumsum([slot_counts..., #no-LoRA tokens]) [S + 1],
-                num_lora_tokens = T (no-LoRA tokens run through the zero slot S)
+        static: active = None (all slots), offsets = cumsum(slot_counts) [S], num_lora_tokens = T
+                (the torch path gives the no-LoRA tokens, sorted last, a zero delta)
     token_slots: [T] long in [-1, S). `previous`: the last forward's metadata; its weight cache is
     reused when the active slots are the same.
     """
     token_slots = token_slots.long()
     key = torch.where(token_slots < 0, num_slots, token_slots)
     sorted_tokens = torch.sort(key, stable=True).indices
-    all_counts = torch.bincount(key, minlength=num_slots + 1)
-    slot_counts = all_counts[:num_slots]
+    slot_counts = torch.bincount(key, minlength=num_slots + 1)[:num_slots]
     common = dict(token_slots=token_slots, sorted_tokens=sorted_tokens, slot_counts=slot_counts.int(),
                   slot_starts=(slot_counts.cumsum(0) - slot_counts).int())
     if static:
-        return LoraMeta(**common, active=None, offsets=all_counts.cumsum(0).int(),
+        return LoraMeta(**common, active=None, offsets=slot_counts.cumsum(0).int(),
                         num_lora_tokens=token_slots.shape[0], lora_range=None, static=True)
     active = slot_counts.nonzero().squeeze(1)
     n = int(slot_counts.sum())

@@ -38,23 +38,25 @@ def _active_mm(a: torch.Tensor, W: torch.Tensor, meta) -> torch.Tensor:
     """
     hit = meta.cache.get(id(W))
     if hit is None or hit[0] is not W:  # the identity check guards against a recycled id()
-        hit = meta.cache[id(W)] = (W, W.index_select(0, meta.active).transpose(1, 2).contiguous())
+        hit = meta.cache[id(W)] = (W, W.transpose(1, 2).index_select(0, meta.active).contiguous())
     return _segment_mm(a, hit[1], meta.offsets)
 
 
 def _segment_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Semantics:
         for g in range(G): out[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ w[g]       (offs[-1] = 0)
-    a: [n, K]; w: [G, K, N] (any strides); offs: [G] int32, cumulative, offs[G-1] = n -> out [n, N].
+        out[offs[G-1]:] = 0
+    a: [n, K]; w: [G, K, N] (any strides); offs: [G] int32, cumulative -> out [n, N].
     """
-    if _HAS_GROUPED_MM and a.device.type == "cpu" and a.dtype in _GROUPED_MM_DTYPES and _aligned(a) and _aligned(w):
+    bounds = offs.tolist()
+    segments = [(g, lo, hi) for g, (lo, hi) in enumerate(zip([0] + bounds[:-1], bounds)) if hi > lo]
+    full = len(segments) == len(bounds) and bounds[-1] == a.shape[0]
+    if full and _HAS_GROUPED_MM and a.device.type == "cpu" and a.dtype in _GROUPED_MM_DTYPES and _aligned(a) and _aligned(w):
         return torch._grouped_mm(a, w, offs=offs)
-    # float64, odd strides, other devices: a loop over the segments.
-    out = a.new_empty(a.shape[0], w.shape[2])
-    start = 0
-    for g, stop in enumerate(offs.tolist()):
-        torch.mm(a[start:stop], w[g], out=out[start:stop])
-        start = stop
+    # Empty segments (grouped_mm would still pay a matmul for each), float64, odd strides, other devices.
+    out = a.new_zeros(a.shape[0], w.shape[2])
+    for g, lo, hi in segments:
+        torch.mm(a[lo:hi], w[g], out=out[lo:hi])
     return out
 
 
@@ -75,7 +77,7 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, meta, scale: float = 1.0) -> t
             y[i] = scale * x[t] @ A[meta.token_slots[t]].T
     x: [T, H]; A: [S, R, H] -> y: [n, R] in x's dtype (matmul accumulates in fp32 or wider).
     """
-    if meta.static:  # fixed shapes: every token, sorted by slot; no-LoRA tokens meet the zero slot S
+    if meta.static:  # fixed shapes: every token, sorted by slot; no-LoRA tokens (last) get zeros
         y = segment_mm(x.index_select(0, meta.sorted_tokens), A.transpose(1, 2), meta.offsets)
         return y if scale == 1.0 else y * scale
     if meta.no_lora:

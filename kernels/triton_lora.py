@@ -105,8 +105,7 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, meta, scale: float = 1.0) -> t
     x: [T, H]; A: [S, R, H] -> y: [T, R] float32 (rows i >= n unwritten).
     """
     T, H = x.shape
-    R = A.shape[1]
-    S = meta.slot_counts.shape[0]  # A may have an extra zero slot (static metadata); it is never read
+    S, R, _ = A.shape
     y = torch.empty(T, R, dtype=torch.float32, device=x.device)
     if meta.no_lora:
         return y
@@ -130,8 +129,7 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, B: torch.Tensor, meta) -> No
     if meta.no_lora:
         return
     T, O = out.shape
-    R = B.shape[2]
-    S = meta.slot_counts.shape[0]
+    S, _, R = B.shape
     BLOCK_N, BLOCK_K = _block(O), _block(R)
     grid = (triton.cdiv(T, BLOCK_M) * triton.cdiv(O, BLOCK_N), S)
     _expand_kernel[grid](

@@ -66,10 +66,10 @@ def nan_filled(alloc):
     return poisoned
 
 
-def check_backend(ops, seed, dtype, device="cpu", **shape):
+def check_backend(ops, seed, dtype, device="cpu", static=False, **shape):
     x, A, B, token_slots, pattern = make_case(seed, dtype, **shape)
     x, A, B, token_slots = x.to(device), A.to(device), B.to(device), token_slots.to(device)
-    meta = make_meta(token_slots, A.shape[0])
+    meta = make_meta(token_slots, A.shape[0], static=static)
     base = torch.randn(x.shape[0], B.shape[1], dtype=dtype, device=device)
     out = base.clone()
     scale = 0.5 + seed % 3
@@ -89,6 +89,23 @@ def check_backend(ops, seed, dtype, device="cpu", **shape):
 @pytest.mark.parametrize("seed", range(42))
 def test_torch_path(seed, dtype):
     check_backend(torch_lora, seed, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", range(14))
+def test_torch_path_static_metadata(seed, dtype):
+    # Fixed-shape metadata (compiled passes): every slot and token take part, no-LoRA tokens get zeros.
+    check_backend(torch_lora, seed, dtype, static=True)
+    check_backend(torch_lora, seed, dtype, static=True, align=8)
+
+
+def test_static_metadata_has_fixed_shapes():
+    a = make_meta(torch.tensor([2, -1, 0, 2]), 5, static=True)
+    b = make_meta(torch.tensor([-1, -1, -1, -1]), 5, static=True)
+    for name in ("token_slots", "sorted_tokens", "slot_counts", "slot_starts", "offsets"):
+        assert getattr(a, name).shape == getattr(b, name).shape
+    assert a.offsets.tolist() == [1, 1, 3, 3, 3] and b.offsets.tolist() == [0] * 5
+    assert not b.no_lora  # static passes always run the ops
 
 
 @pytest.mark.parametrize("seed", range(14))
@@ -128,6 +145,11 @@ def test_triton_kernels(seed, dtype):
     check_backend(_triton_ops(), seed, dtype, _triton_device(), max_t=40, max_h=150, max_r=40, max_s=8)
 
 
+@pytest.mark.parametrize("seed", range(7))
+def test_triton_kernels_static_metadata(seed):
+    check_backend(_triton_ops(), seed, torch.float32, _triton_device(), static=True, max_t=40, max_h=150, max_r=40, max_s=8)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_triton_kernels_ranks_to_256(seed):
     check_backend(_triton_ops(), seed, torch.float32, _triton_device(), max_t=20, max_h=80, max_r=256, max_s=4)
@@ -142,7 +164,7 @@ def test_triton_interpreter():
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_triton_kernels"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert re.search(r"\b31 passed", run.stdout), run.stdout[-1000:]  # fp32 and fp16 ran; bf16 skipped
+    assert re.search(r"\b38 passed", run.stdout), run.stdout[-1000:]  # fp32, fp16 and static ran; bf16 skipped
 
 
 def test_make_meta():

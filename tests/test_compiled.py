@@ -1,0 +1,99 @@
+"""Compiled passes (torch.compile on the CPU): same greedy tokens as eager, no recompiles on reuse.
+
+Compiling costs ~10-20 s per pass even on tiny models, so these tests compile few passes: one
+bucket (8 rows, 64 cache slots), K = 1 (draft, plain and 2-token verify passes).
+"""
+
+import pytest
+import torch
+from peft.tuners.lora.layer import LoraLayer
+from torch._dynamo.utils import counters
+
+from hf_invisiblelora import compiled
+from hf_invisiblelora.bank import get_bank
+from tiny import prompts, tiny_peft
+
+ROWS = ["a", "b", "__base__", "c", "d", "a", "b"]  # 7 rows: padded to a bucket of 8
+
+
+def generate(model, ids, mask, names, **kw):
+    return model.generate(input_ids=ids, attention_mask=mask, adapter_names=names, do_sample=False,
+                          max_new_tokens=10, **kw)
+
+
+def graphs_compiled() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_peft("llama", strength=0.6, dtype=torch.float32)
+
+
+def test_compiled_equals_eager_and_does_not_recompile(model):
+    ids, mask = prompts([5, 9, 3, 7, 9, 1, 6])
+    stock = generate(model, ids, mask, ROWS)
+    kw = dict(invisible_lora=True, gate="always", num_draft_tokens=1, return_dict_in_generate=True)
+    eager = generate(model, ids, mask, ROWS, compile=False, **kw)
+    before = graphs_compiled()
+    out = generate(model, ids, mask, ROWS, compile=True, **kw)
+    assert graphs_compiled() - before == 3  # draft, verify (2 tokens), plain (the last, budget-capped cycle)
+    assert torch.equal(out.sequences, eager.sequences)
+    assert torch.equal(out.sequences, stock)
+    assert out.stats.draft_passes > 0 and sum(out.stats.accepted) > 0
+
+    # Another call in the same bucket: other prompts, lengths, adapters and batch size (5 -> 8 rows).
+    ids2, mask2 = prompts([2, 8, 4, 6, 3], seed=1)
+    rows2 = ["d", "d", "a", "__base__", "c"]
+    before = graphs_compiled()
+    out2 = generate(model, ids2, mask2, rows2, compile=True, **kw)
+    assert graphs_compiled() == before, "a second call in the same bucket must not compile again"
+    assert torch.equal(out2.sequences, generate(model, ids2, mask2, rows2))
+
+
+def test_compiled_passes_follow_adapter_changes(model):
+    """The compiled graphs read the adapter bank's current tensors: rescaling an adapter takes effect."""
+    ids, mask = prompts([4, 6, 5])
+    names = ["a", "b", "d"]
+    kw = dict(invisible_lora=True, gate="never", compile=True)
+    generate(model, ids, mask, names, **kw)
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and "b" in m.scaling]
+    for m in layers:
+        m.set_scale("b", 3.0)
+    try:
+        before = graphs_compiled()
+        assert torch.equal(generate(model, ids, mask, names, **kw), generate(model, ids, mask, names))
+        assert graphs_compiled() == before  # new stacks of the same shapes: no recompile
+    finally:
+        for m in layers:
+            m.set_scale("b", 1.0)
+
+
+def test_buckets():
+    assert [compiled.row_bucket(b) for b in (1, 2, 3, 5, 8, 9, 64, 65, 130)] == [1, 2, 4, 8, 8, 16, 64, 128, 192]
+    assert [compiled.length_bucket(n) for n in (1, 64, 65, 1024, 1025)] == [64, 64, 128, 1024, 2048]
+
+
+def test_compile_options(model):
+    ids, mask = prompts([3, 4])
+    for bad in ("yes", 1.5):
+        with pytest.raises(ValueError, match="compile must be one of"):
+            generate(model, ids, mask, ["a", "b"], invisible_lora=True, compile=bad)
+    with pytest.raises(ValueError, match="lora_backend='bank'"):
+        generate(model, ids, mask, ["a", "b"], invisible_lora=True, compile=True, lora_backend="peft")
+    with pytest.raises(ValueError, match="only apply with invisible_lora=True"):
+        generate(model, ids, mask, ["a", "b"], compile=True)
+    # "auto" on the CPU stays eager: nothing is kept on the model.
+    compiled.clear(model)
+    generate(model, ids, mask, ["a", "b"], invisible_lora=True)
+    assert not model.__dict__.get("_invisiblelora_compiled")
+    assert get_bank(model)._meta is None
+
+
+def test_sliding_window_model_compiled():
+    """Gemma 3 (window 5, mask per layer type) through a compiled plain pass."""
+    model = tiny_peft("gemma3", strength=0.6, dtype=torch.float32)
+    ids, mask = prompts([5, 9, 3])
+    names = ["a", "__base__", "d"]
+    out = generate(model, ids, mask, names, invisible_lora=True, gate="never", compile=True)
+    assert torch.equal(out, generate(model, ids, mask, names))
