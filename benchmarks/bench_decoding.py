@@ -15,6 +15,9 @@ Prints tables, writes JSON and PNG plots.
     python benchmarks/bench_decoding.py                 # the default grid (~1 h on 2 CPU cores)
     python benchmarks/bench_decoding.py --quick         # a small grid (~10 min)
     python benchmarks/bench_decoding.py --smoke --out /tmp/x   # tiny random model, seconds (tests)
+    python benchmarks/bench_decoding.py --configs stock_peft baseline baseline_compiled k2 k2_compiled \
+        gate gate_compiled --batches 1 4 16 --adapter-counts 1 4 14 --no-extras --no-sampling
+                                                        # eager vs compiled passes (compile=True)
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ CONFIGS = {
     "k4": dict(invisible_lora=True, gate="always", num_draft_tokens=4),
     "gate": dict(invisible_lora=True, gate="auto", num_draft_tokens=4),
 }
+# The same with compiled fixed-shape passes (torch.compile on the CPU, CUDA graphs on CUDA). The
+# first call of each compiles; it is the warm-up, reported separately as first_call_s.
+COMPILED = {f"{c}_compiled": dict(CONFIGS[c], compile=True) for c in ("baseline", "k1", "k2", "k4", "gate")}
+CONFIGS.update(COMPILED)
 
 
 def load(smoke: bool):
@@ -79,7 +86,7 @@ def measure(model, rows, enc, configs, new_tokens, repeats, sampling):
     kw = dict(adapter_names=rows, max_new_tokens=new_tokens, return_dict_in_generate=True)
     kw.update(dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0) if sampling else dict(do_sample=False))
     times = {c: [] for c in configs}
-    last = {}
+    last, first = {}, {}
     for rep in range(repeats + 1):  # rep 0: warm-up, not counted
         for c in configs:
             torch.manual_seed(rep)
@@ -88,6 +95,8 @@ def measure(model, rows, enc, configs, new_tokens, repeats, sampling):
                 out = model.generate(**enc, **kw, **CONFIGS[c])
             if rep:
                 times[c].append(time.perf_counter() - t)
+            else:
+                first[c] = time.perf_counter() - t
             last[c] = out
     res = {}
     for c in configs:
@@ -95,7 +104,7 @@ def measure(model, rows, enc, configs, new_tokens, repeats, sampling):
         sec = statistics.median(times[c])
         stats = getattr(last[c], "stats", None)
         res[c] = dict(
-            seconds=sec, tokens=sum(tokens), tokens_per_s=sum(tokens) / sec,
+            seconds=sec, first_call_s=first[c], tokens=sum(tokens), tokens_per_s=sum(tokens) / sec,
             ms_per_token=1000 * sec / max(1, max(tokens)),  # a row's latency per generated token
             acceptance=stats.acceptance_rate if stats else None,
             k_per_cycle=stats.k_per_cycle if stats else None,
@@ -180,11 +189,12 @@ def plot(results, path):
 
 
 def table(results) -> str:
-    lines = ["| mode | batch | adapters | " + " | ".join(CONFIGS) + " | gate's k |", "|---" * (len(CONFIGS) + 4) + "|"]
+    names = [c for c in CONFIGS if any(c in r["configs"] for r in results["throughput"])]
+    lines = ["| mode | batch | adapters | " + " | ".join(names) + " | gate's k |", "|---" * (len(names) + 4) + "|"]
     for r in results["throughput"]:
         cfg = r["configs"]
         cells = [f"{cfg[c]['tokens_per_s']:.1f} ({cfg[c]['tokens_per_s'] / cfg['baseline']['tokens_per_s']:.2f}x)"
-                 if c in cfg else "-" for c in CONFIGS]
+                 if c in cfg else "-" for c in names]
         ks = cfg.get("gate", {}).get("k_per_cycle") or []
         lines.append(f"| {'sample' if r['sampling'] else 'greedy'} | {r['batch']} | {r['adapters']} | "
                      + " | ".join(cells) + f" | {sum(ks) / max(1, len(ks)):.1f} |")
@@ -202,6 +212,7 @@ def main(argv=None):
     p.add_argument("--no-extras", action="store_true", help="throughput grid only (no acceptance, bound, memory)")
     p.add_argument("--batches", nargs="+", type=int, help="override the grid's batch sizes")
     p.add_argument("--adapter-counts", nargs="+", type=int, help="override the grid's distinct-adapter counts")
+    p.add_argument("--no-sampling", action="store_true", help="greedy only")
     args = p.parse_args(argv)
     if args.smoke:
         batches, adapter_counts, args.repeats, args.new_tokens = [1, 4], [1, 4], 1, 6
@@ -222,10 +233,12 @@ def main(argv=None):
             if a > b:
                 continue
             rows, enc = workload(tok, names, prompts_for, a, b)
-            for sampling in (False, True) if a == max(adapter_counts) else (False,):
-                configs = list(CONFIGS) if not sampling else ["stock_peft", "baseline", "k2", "gate"]
+            for sampling in (False, True) if a == max(adapter_counts) and not args.no_sampling else (False,):
+                configs = [c for c in CONFIGS if c not in COMPILED] if not sampling else ["stock_peft", "baseline", "k2", "gate"]
                 if args.configs:
-                    configs = [c for c in configs if c in args.configs or c == "baseline"]
+                    configs = [c for c in CONFIGS if c in args.configs or c == "baseline"]
+                    if sampling:
+                        configs = [c for c in configs if c in ("stock_peft", "baseline", "k2", "gate")]
                 r = measure(model, rows, enc, configs, args.new_tokens, args.repeats, sampling)
                 results["throughput"].append(dict(batch=b, adapters=a, sampling=sampling, configs=r))
                 print(table(dict(throughput=results["throughput"][-1:])).splitlines()[-1], flush=True)
@@ -243,6 +256,11 @@ def main(argv=None):
     for mode, acc in results.get("acceptance", {}).items():
         print(f"\nacceptance ({mode}, k=4): median {acc['median']:.1%}; "
               + ", ".join(f"{n} {v['acceptance']:.0%}" for n, v in acc["per_adapter"].items()))
+    firsts = [(r["batch"], c, v["first_call_s"] - v["seconds"]) for r in results["throughput"]
+              for c, v in r["configs"].items() if c in COMPILED]
+    if firsts:
+        print("\nfirst call of a compiled configuration (compiling its passes) minus a steady call: "
+              + ", ".join(f"b{b} {c} {s:.0f} s" for b, c, s in firsts))
     for bd in results.get("bound", []):
         print(f"bound at batch {bd['batch']}: base step {bd['base_step_ms']:.1f} ms, LoRA-on step "
               f"{bd['lora_step_ms']:.1f} ms -> drafting can give at most {bd['bound']:.2f}x")
