@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import statistics
 import sys
@@ -214,6 +215,8 @@ def main(argv=None):
     p.add_argument("--adapter-counts", nargs="+", type=int, help="override the grid's distinct-adapter counts")
     p.add_argument("--no-sampling", action="store_true", help="greedy only")
     args = p.parse_args(argv)
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("hf_invisiblelora").setLevel(logging.INFO)  # compile times of compiled passes
     if args.smoke:
         batches, adapter_counts, args.repeats, args.new_tokens = [1, 4], [1, 4], 1, 6
     elif args.quick:

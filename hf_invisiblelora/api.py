@@ -47,7 +47,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     check_gate(gate, num_draft_tokens)
     if lora_backend not in SWITCHES:
         raise ValueError(f"lora_backend must be one of {list(SWITCHES)}, got {lora_backend!r}.")
-    compile_backend = backend_for(compile, model.device, lora_backend)
+    compile_backend = backend_for(compile, model.device, model.dtype, lora_backend)
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None or kwargs.get("inputs_embeds") is not None:
         raise ValueError("invisible_lora needs input_ids (inputs_embeds are not supported).")

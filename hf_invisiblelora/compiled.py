@@ -35,7 +35,7 @@ _ATTR = "_invisiblelora_compiled"
 COMPILE_OPTIONS = ("auto", True, False)
 
 
-def backend_for(option, device: torch.device, lora_backend: str) -> str | None:
+def backend_for(option, device: torch.device, dtype: torch.dtype, lora_backend: str) -> str | None:
     """The compile backend for ``generate(compile=option)``: None (eager), "inductor" or "cuda_graphs".
 
     "auto" captures CUDA graphs on CUDA (cheap: a capture costs about one pass) and stays eager on
@@ -50,7 +50,14 @@ def backend_for(option, device: torch.device, lora_backend: str) -> str | None:
         if option == "auto":
             return None
         raise ValueError("compile=True needs lora_backend='bank' (PEFT's per-adapter loop has no fixed shapes).")
-    return "cuda_graphs" if device.type == "cuda" else "inductor"
+    if device.type != "cuda":
+        return "inductor"
+    if kernels.get_backend(device, dtype) is kernels.torch_lora:  # its loop reads segment sizes on the host
+        if option == "auto":
+            return None
+        raise ValueError(f"CUDA graphs need the Triton kernels (triton installed; fp32/fp16/bf16, not {dtype}) "
+                         f"and {kernels.BACKEND_ENV} unset or 'triton'.")
+    return "cuda_graphs"
 
 
 def row_bucket(rows: int) -> int:

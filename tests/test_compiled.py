@@ -97,3 +97,17 @@ def test_sliding_window_model_compiled():
     names = ["a", "__base__", "d"]
     out = generate(model, ids, mask, names, invisible_lora=True, gate="never", compile=True)
     assert torch.equal(out, generate(model, ids, mask, names))
+
+
+def test_backend_choice():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compiled.backend_for("auto", cpu, torch.float32, "bank") is None  # compiling costs minutes there
+    assert compiled.backend_for(True, cpu, torch.float64, "bank") == "inductor"
+    assert compiled.backend_for(False, cuda, torch.bfloat16, "bank") is None
+    assert compiled.backend_for("auto", cuda, torch.bfloat16, "peft") is None
+    # CUDA graphs need the Triton kernels: float64 on CUDA takes the torch path, which reads sizes on the host.
+    assert compiled.backend_for("auto", cuda, torch.float64, "bank") is None
+    with pytest.raises(ValueError, match="CUDA graphs need the Triton kernels"):
+        compiled.backend_for(True, cuda, torch.float64, "bank")
+    pytest.importorskip("triton")
+    assert compiled.backend_for("auto", cuda, torch.bfloat16, "bank") == "cuda_graphs"
