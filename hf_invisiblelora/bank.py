@@ -58,9 +58,9 @@ class _Layer:
         weight = m.get_base_layer().weight
         ranks = {a: m.lora_A[a].weight.shape[0] for a in m.lora_A}
         r_max = -(-max(ranks.values()) // 4) * 4
-        zeros = lambda *shape: torch.zeros(len(names), *shape, dtype=weight.dtype, device=weight.device)  # noqa: E731
-        self.A = _laid_out(zeros(r_max, m.in_features), transposed)
-        self.B = _laid_out(zeros(m.out_features, r_max), transposed)
+        like = dict(dtype=weight.dtype, device=weight.device)
+        self.A = _laid_out(torch.zeros(len(names), r_max, m.in_features, **like), transposed)
+        self.B = _laid_out(torch.zeros(len(names), m.out_features, r_max, **like), transposed)
         with torch.no_grad():
             for slot, a in enumerate(names):
                 if a in ranks:

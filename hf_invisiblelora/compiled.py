@@ -21,6 +21,7 @@ Backends: "inductor" (``torch.compile``, the CPU) or "cuda_graphs" (each pass ca
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import types
@@ -100,7 +101,6 @@ class CompiledForward:
         b = pad.shape[0]
         self.model, self.bank, self.backend, self.widths = model, lora.bank, backend, widths
         self.rows, self.length = row_bucket(b), length_bucket(max_len)
-        self.variant = f"{backend}:{self.rows}"
         self.builds = 0  # passes compiled or captured during this call (their timings are not steady state)
         store = peft_model.__dict__.setdefault(_ATTR, {})
         key = (pad.device, model.dtype, self.rows, self.length)
@@ -156,7 +156,7 @@ class CompiledForward:
         t = time.perf_counter()
         if self.backend == "inductor":
             fn = torch.compile(_own_code(model_pass, f"{kind}_{self.rows}x{q}"), fullgraph=True, dynamic=False)
-            call = lambda: fn(*args)  # noqa: E731
+            call = functools.partial(fn, *args)
             out = call()
         else:
             call, out = _capture(lambda: model_pass(*args), state)

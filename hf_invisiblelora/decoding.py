@@ -41,7 +41,6 @@ class InvisibleLoRAOutput(GenerateDecoderOnlyOutput):
 class EagerForward:
     """Passes as they come: the batch as it is, attending to the first ``kv_len`` cache slots."""
 
-    variant = "eager"  # the gate keeps pass costs per variant
     builds = 0  # passes compiled during the call: none
 
     def __init__(self, model, lora, pad, max_len: int):

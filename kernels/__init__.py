@@ -35,6 +35,7 @@ class LoraMeta:
     slot_starts: torch.Tensor  # [S] int32: index in sorted_tokens of each slot's first token
     active: torch.Tensor | None  # [n_active] long: slots with at least one token, ascending (None: static)
     offsets: torch.Tensor  # [n_active] int32: cumulative token counts of the active slots ([S]: static)
+    bounds: list | None  # host copy of offsets (None: static, whose ops read them when they run)
     num_lora_tokens: int
     # (start, stop) when the LoRA tokens, sorted, are exactly tokens start..stop-1: then the torch
     # path slices x and out instead of gathering and scattering rows.
@@ -69,15 +70,17 @@ def make_meta(token_slots: torch.Tensor, num_slots: int, previous: LoraMeta | No
                   slot_starts=(slot_counts.cumsum(0) - slot_counts).int())
     if static:
         return LoraMeta(**common, active=None, offsets=slot_counts.cumsum(0).int(),
-                        num_lora_tokens=token_slots.shape[0], lora_range=None, static=True)
+                        bounds=None, num_lora_tokens=token_slots.shape[0], lora_range=None, static=True)
     active = slot_counts.nonzero().squeeze(1)
-    n = int(slot_counts.sum())
+    offsets = slot_counts[active].cumsum(0)
+    bounds = offsets.tolist()  # for the torch path: its ops need no host read of their own
+    n = bounds[-1] if bounds else 0
     lora = sorted_tokens[:n]
     start = int(lora[0]) if n else 0
     is_range = n and bool((lora == torch.arange(start, start + n, device=lora.device)).all())
-    meta = LoraMeta(**common, active=active, offsets=slot_counts[active].cumsum(0).int(), num_lora_tokens=n,
+    meta = LoraMeta(**common, active=active, offsets=offsets.int(), bounds=bounds, num_lora_tokens=n,
                     lora_range=(start, start + n) if is_range else None)
-    if previous is not None and previous.active is not None and torch.equal(previous.active.cpu(), active.cpu()):
+    if previous is not None and torch.equal(previous.active.cpu(), active.cpu()):
         meta.cache = previous.cache
     return meta
 

@@ -39,16 +39,17 @@ def _active_mm(a: torch.Tensor, W: torch.Tensor, meta) -> torch.Tensor:
     hit = meta.cache.get(id(W))
     if hit is None or hit[0] is not W:  # the identity check guards against a recycled id()
         hit = meta.cache[id(W)] = (W, W.transpose(1, 2).index_select(0, meta.active).contiguous())
-    return _segment_mm(a, hit[1], meta.offsets)
+    return _segment_mm(a, hit[1], meta.offsets, meta.bounds)
 
 
-def _segment_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _segment_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bounds: list | None = None) -> torch.Tensor:
     """Semantics:
         for g in range(G): out[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ w[g]       (offs[-1] = 0)
         out[offs[G-1]:] = 0
     a: [n, K]; w: [G, K, N] (any strides); offs: [G] int32, cumulative -> out [n, N].
+    bounds: offs as a host list when the caller has it (else read here).
     """
-    bounds = offs.tolist()
+    bounds = offs.tolist() if bounds is None else bounds
     segments = [(g, lo, hi) for g, (lo, hi) in enumerate(zip([0] + bounds[:-1], bounds)) if hi > lo]
     full = len(segments) == len(bounds) and bounds[-1] == a.shape[0]
     if full and _HAS_GROUPED_MM and a.device.type == "cpu" and a.dtype in _GROUPED_MM_DTYPES and _aligned(a) and _aligned(w):
@@ -62,7 +63,9 @@ def _segment_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 # The same op, opaque to torch.compile: inductor cannot trace torch._grouped_mm for float32 on
 # the CPU (its meta function wants bfloat16), so compiled graphs call it as one external op.
-segment_mm = torch.library.custom_op("hf_invisiblelora::segment_mm", _segment_mm, mutates_args=())
+@torch.library.custom_op("hf_invisiblelora::segment_mm", mutates_args=())
+def segment_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return _segment_mm(a, w, offs)
 
 
 @segment_mm.register_fake
