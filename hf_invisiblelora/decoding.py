@@ -168,7 +168,7 @@ def run(input_ids, attention_mask, new_forward, processors, stopping_criteria, c
         if all(done_h):
             break
 
-        k = gate.choose([not d for d in done_h], max(max_new - g for g, d in zip(gen_h, done_h) if not d))
+        k = gate.choose([0 if d else max_new - g for g, d in zip(gen_h, done_h)])
         stats.cycles += 1
         stats.k_per_cycle.append(k)
         stats.draft_passes += k

@@ -3,23 +3,30 @@
 Drafting pays only when the adapter work it saves exceeds the draft passes it costs. Per cycle
 the gate picks k in 0..K maximising expected committed tokens per second:
 
-    tokens(k) = sum over active rows of (1 - a^(k+1)) / (1 - a)      (a = the row adapter's
-                                                                      per-draft acceptance; 1 for __base__)
+    tokens(k) = sum over active rows of (1 - a^m) / (1 - a)         (a = the row adapter's per-draft
+                                                                      acceptance, 1 for __base__;
+                                                                      m = min(k + 1, tokens the row has left))
     time(k)   = k * T_draft + T_verify(k + 1)                       (T_verify(1) = a plain step)
 
 Acceptance is tracked per adapter (decayed success/trial counts, seeded by a prior); pass costs
-are measured from the passes themselves, per batch shape (rows, distinct adapters) and tokens per
-row. Both live on the
-model, so later generate calls start informed. With nothing measured yet it calibrates: one
-plain step, one cycle at K. While drafting does not pay it re-checks now and then with one
-k = 1 cycle, with exponential backoff kept on the model, so a wrong estimate cannot stick and
-exploring costs little.
+are measured from the passes themselves, per batch shape (rows, distinct adapters, eager or
+compiled) and tokens per row, as the median of the last few timings (one slow pass, from the OS
+or the allocator, moves nothing). Both live on the model, so later generate calls start informed.
+
+Exploring is cheap and gradual: with nothing measured it calibrates with the cheapest cycles (a
+plain step, then k = 1); a verify width not yet timed is extrapolated from the widths that were,
+and k may grow only one step past the widest verify timed, so an optimistic guess costs one cycle.
+Now and then it re-checks the other side of its decision (k = 1 while not drafting, a plain
+step while drafting), with exponential backoff kept on the model, so no stale estimate sticks.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -27,9 +34,9 @@ import torch
 GATE_MODES = ("auto", "always", "never")
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 4.0  # ~70-80% measured on real small-model adapters
 DECAY = 0.98  # per observed cycle: recent acceptance counts more (adapters drift with the domain)
-COST_EMA = 0.3
-EXPLORE_AFTER = 16  # plain cycles before re-checking drafting; doubles each time it does not pay,
-EXPLORE_MAX = 1024  # up to this (a k = 1 probe per 1024 plain cycles costs ~0.1%)
+COST_WINDOW = 8  # a pass's cost: the median of its last 8 timings
+PROBE_AFTER = 16  # cycles before re-checking the other side of the decision; doubles while the
+PROBE_MAX = 1024  # decision holds, up to this (one off-decision cycle per 1024 costs ~0.1%)
 MARGIN = 1.05  # draft only if it promises 5% more tokens/s than a plain step: the estimates are noisy,
 # and a wrong "draft" costs more than a wrong "don't"
 
@@ -47,27 +54,31 @@ class GateMemory:
 
     accepted: dict = field(default_factory=dict)  # adapter -> decayed accepted drafts
     trials: dict = field(default_factory=dict)  # adapter -> decayed drafts judged
-    costs: dict = field(default_factory=dict)  # ("draft", shape) / ("verify", shape, q) -> EMA seconds
-    plain_streak: dict = field(default_factory=dict)  # shape -> plain cycles since drafting was last tried
-    explore_after: dict = field(default_factory=dict)  # shape -> plain cycles before the next re-check
+    costs: dict = field(default_factory=dict)  # ("draft", shape) / ("verify", shape, q) -> seconds (median)
+    timings: dict = field(default_factory=dict)  # the same keys -> the last COST_WINDOW timings
+    drafting: dict = field(default_factory=dict)  # shape -> the side of the last decision (k > 0)
+    since_probe: dict = field(default_factory=dict)  # shape -> cycles since the other side was tried
+    probe_after: dict = field(default_factory=dict)  # shape -> cycles before the next re-check
 
     def acceptance(self, adapter: str) -> float:
         a, t = self.accepted.get(adapter, 0.0), self.trials.get(adapter, 0.0)
         return (a + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
 
     def observe_cost(self, key, seconds: float) -> None:
-        old = self.costs.get(key)
-        self.costs[key] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+        window = self.timings.setdefault(key, deque(maxlen=COST_WINDOW))
+        window.append(seconds)
+        self.costs[key] = statistics.median(window)
 
 
 def memory_of(model) -> GateMemory:
     return model.__dict__.setdefault("_invisiblelora_gate", GateMemory())
 
 
-def expected_tokens(acceptance: torch.Tensor, k: int) -> float:
-    """Expected committed tokens of a cycle with k drafts, summed over rows (geometric acceptance)."""
-    a = acceptance.double().clamp(max=1 - 1e-9)
-    return float(((1 - a ** (k + 1)) / (1 - a)).sum())
+def expected_tokens(acceptance: list[float], remaining: list[int], k: int) -> float:
+    """Expected committed tokens of a cycle with k drafts, summed over rows (geometric acceptance;
+    a row commits at most the tokens it has left)."""
+    return sum(float(m) if a >= 1 else (1 - a**m) / (1 - a)
+               for a, m in ((a, min(k + 1, r)) for a, r in zip(acceptance, remaining)))
 
 
 class Gate:
@@ -79,55 +90,59 @@ class Gate:
         self.names = adapter_names
         # What a pass's cost depends on: rows, distinct adapters, eager or compiled.
         self.shape = (len(adapter_names), len(set(adapter_names)), variant)
-        self.is_base = torch.tensor([a == base for a in adapter_names])
+        self.is_base = [a == base for a in adapter_names]
 
-    def choose(self, active: list[bool], longest_remaining: int) -> int:
-        cap = max(0, min(self.max_k, longest_remaining - 1))
+    def choose(self, remaining: list[int]) -> int:
+        """k for the next cycle; ``remaining[b]``: tokens row b may still generate (0: finished)."""
+        cap = max(0, min(self.max_k, max(remaining) - 1))
         if self.mode == "always" or cap == 0:
             return cap
-        active_t = torch.tensor(active)
-        if self.mode == "never" or bool(self.is_base[active_t].all()):
+        if self.mode == "never" or all(b for b, r in zip(self.is_base, remaining) if r):
             return 0  # no adapter work to save: the LoRA-on step costs what a draft step costs
         costs = self._costs()
-        if costs is None:  # calibrate: a plain step first, then one cycle at cap
-            return 0 if ("verify", self.shape, 1) not in self.memory.costs else cap
-        acc = torch.tensor([1.0 if b else self.memory.acceptance(a) for a, b in zip(self.names, self.is_base)])
-        acc = acc[active_t]
-        rate = [expected_tokens(acc, k) / costs[k] for k in range(cap + 1)]
+        if costs is None:  # calibrate with the cheapest cycles: a plain step, then one draft
+            return 0 if ("verify", self.shape, 1) not in self.memory.costs else 1
+        # Plain floats: this runs every cycle, and small tensor ops would cost more than the arithmetic.
+        acc = [1.0 if b else self.memory.acceptance(a) for a, b in zip(self.names, self.is_base)]
+        options = range(min(cap, len(costs) - 1) + 1)
+        rate = [expected_tokens(acc, remaining, k) / costs[k] for k in options]
         rate[0] *= MARGIN
-        best = max(range(cap + 1), key=rate.__getitem__)
-        m = self.memory
-        if best:
-            m.plain_streak[self.shape], m.explore_after[self.shape] = 0, EXPLORE_AFTER
+        return self._probe(max(options, key=rate.__getitem__))
+
+    def _probe(self, best: int) -> int:
+        """``best``, or now and then the cheapest cycle of the other side (k = 1 if best is a plain
+        step, else a plain step): it refreshes the estimates the decision rests on. The backoff
+        lives on the model, so many short calls do not each pay for a probe."""
+        m, shape = self.memory, self.shape
+        if m.drafting.get(shape) != (best > 0):  # the decision changed: re-check soon
+            m.drafting[shape], m.since_probe[shape], m.probe_after[shape] = best > 0, 0, PROBE_AFTER
+        m.since_probe[shape] = m.since_probe.get(shape, 0) + 1
+        if m.since_probe[shape] < m.probe_after.get(shape, PROBE_AFTER):
             return best
-        # Re-check now and then that drafting still does not pay, with the cheapest probe (k = 1):
-        # it refreshes the acceptance estimates and the draft cost. The backoff lives on the model,
-        # so many short calls do not each pay for a probe.
-        m.plain_streak[self.shape] = m.plain_streak.get(self.shape, 0) + 1
-        if m.plain_streak[self.shape] >= m.explore_after.get(self.shape, EXPLORE_AFTER):
-            m.plain_streak[self.shape] = 0
-            m.explore_after[self.shape] = min(EXPLORE_MAX, 2 * m.explore_after.get(self.shape, EXPLORE_AFTER))
-            return 1
-        return 0
+        m.since_probe[shape] = 0
+        m.probe_after[shape] = min(PROBE_MAX, 2 * m.probe_after.get(shape, PROBE_AFTER))
+        return 0 if best else 1
 
     def _costs(self):
-        """Estimated seconds of a cycle with k = 0..K drafts, or None before the first measurements.
+        """Estimated seconds of a cycle with k = 0, 1, .. drafts, or None before the first measurements.
 
-        Verify cost for unmeasured token counts is interpolated linearly between measured ones.
+        Verify widths not timed are interpolated linearly between timed ones, or extrapolated from
+        the two widest; k reaches one step past the widest timed verify (width k + 1), no further.
         """
         c = self.memory.costs
         t_draft = c.get(("draft", self.shape))
-        measured = sorted((key[2], v) for key, v in c.items() if key[0] == "verify" and key[1] == self.shape)
-        if t_draft is None or len(measured) < 2:
+        timed = sorted((key[2], v) for key, v in c.items() if key[0] == "verify" and key[1] == self.shape)
+        if t_draft is None or len(timed) < 2:
             return None
-        qs = torch.tensor([q for q, _ in measured], dtype=torch.double)
-        ts = torch.tensor([t for _, t in measured], dtype=torch.double)
+        qs, ts = zip(*timed)
         out = []
-        for k in range(self.max_k + 1):
+        for k in range(min(self.max_k, qs[-1]) + 1):
             q = k + 1
-            i = int(torch.searchsorted(qs, torch.tensor(float(q), dtype=torch.double)).clamp(1, len(qs) - 1))
+            i = min(max(bisect.bisect_left(qs, q), 1), len(qs) - 1)  # the timed pair around (or below) q
             t_verify = ts[i - 1] + (ts[i] - ts[i - 1]) * (q - qs[i - 1]) / (qs[i] - qs[i - 1])
-            out.append(k * t_draft + max(float(t_verify), 1e-9))
+            if q > qs[-1]:  # past the widest timed: never cheaper than it (noisy timings can slope down)
+                t_verify = max(t_verify, ts[-1])
+            out.append(k * t_draft + max(t_verify, 1e-9))
         return out
 
     def observe(self, k: int, n_accepted: list[int], active: list[bool], draft_s: float | None, verify_s: float):
@@ -135,7 +150,7 @@ class Gate:
         m = self.memory
         if k:
             m.observe_cost(("draft", self.shape), draft_s / k)
-            for name, n, act, base in zip(self.names, n_accepted, active, self.is_base.tolist()):
+            for name, n, act, base in zip(self.names, n_accepted, active, self.is_base):
                 if act and not base:
                     # n successes, then one failure unless every draft was kept (Bernoulli per position).
                     m.accepted[name] = DECAY * m.accepted.get(name, 0.0) + n

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from hf_invisiblelora.gate import EXPLORE_AFTER, MARGIN, Gate, GateMemory, PassTimer, expected_tokens
+from hf_invisiblelora.gate import COST_WINDOW, MARGIN, PROBE_AFTER, Gate, GateMemory, PassTimer, expected_tokens
 
 K = 4
 ROWS = ["x", "y", "x", "__base__"]
@@ -24,21 +24,22 @@ def gate_with(costs_by_q, draft_cost, acceptance, rows=ROWS, mode="auto"):
 
 
 def brute_force_best(costs_by_q, draft_cost, acc):
-    rate = [expected_tokens(acc, k) / (k * draft_cost + costs_by_q[k + 1]) for k in range(K + 1)]
+    rate = [expected_tokens(acc, [50] * len(acc), k) / (k * draft_cost + costs_by_q[k + 1]) for k in range(K + 1)]
     rate[0] *= MARGIN  # drafting must promise a margin over a plain step
     return max(range(K + 1), key=rate.__getitem__)
 
 
 def test_expected_tokens():
-    assert expected_tokens(torch.tensor([1.0, 0.0]), 3) == pytest.approx(4 + 1)
-    assert expected_tokens(torch.tensor([0.5]), 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens([1.0, 0.0], [50, 50], 3) == pytest.approx(4 + 1)
+    assert expected_tokens([0.5], [50], 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens([1.0, 0.5, 0.5], [2, 1, 0], 3) == pytest.approx(2 + 1 + 0)  # capped by what rows have left
 
 
 def test_no_drafting_when_it_cannot_pay():
     # CPU-like: a pass costs in proportion to its tokens, and a draft pass as much as a plain step.
     costs = {q: 0.1 * q for q in range(1, K + 2)}
     g = gate_with(costs, 0.1, {"x": 0.95, "y": 0.95})
-    assert g.choose([True] * 4, longest_remaining=50) == 0
+    assert g.choose([50] * 4) == 0
 
 
 def test_best_k_when_drafting_pays():
@@ -46,8 +47,8 @@ def test_best_k_when_drafting_pays():
     costs = {q: 0.2 + 0.01 * q for q in range(1, K + 2)}
     for a, expect_high in ((0.95, True), (0.5, False)):
         g = gate_with(costs, 0.1, {"x": a, "y": a})
-        acc = torch.tensor([g.memory.acceptance(n) if n != "__base__" else 1.0 for n in ROWS])
-        k = g.choose([True] * 4, longest_remaining=50)
+        acc = [g.memory.acceptance(n) if n != "__base__" else 1.0 for n in ROWS]
+        k = g.choose([50] * 4)
         assert k == brute_force_best(costs, 0.1, acc)
         assert (k == K) == expect_high
 
@@ -56,43 +57,77 @@ def test_interpolates_unmeasured_verify_costs():
     costs = {1: 0.21, K + 1: 0.25}  # only the calibration points are known
     full = {q: 0.21 + 0.01 * (q - 1) for q in range(1, K + 2)}
     g = gate_with(costs, 0.1, {"x": 0.7, "y": 0.7})
-    acc = torch.tensor([0.7, 0.7, 0.7, 1.0], dtype=torch.double)
+    acc = [0.7, 0.7, 0.7, 1.0]
     assert g._costs() == pytest.approx([k * 0.1 + full[k + 1] for k in range(K + 1)])
-    assert g.choose([True] * 4, 50) == brute_force_best(full, 0.1, acc)
+    assert g.choose([50] * 4) == brute_force_best(full, 0.1, acc)
 
 
 def test_adapts_when_acceptance_changes():
     costs = {q: 0.2 + 0.01 * q for q in range(1, K + 2)}
     g = gate_with(costs, 0.1, {"x": 0.95, "y": 0.95})
-    assert g.choose([True] * 4, 50) == K
+    assert g.choose([50] * 4) == K
     for _ in range(400):  # the adapters start disagreeing with the base model
         g.observe(K, [0, 0, 0, K], [True] * 4, draft_s=0.4, verify_s=0.25)
     assert g.memory.acceptance("x") < 0.1 and g.memory.acceptance("y") < 0.1
-    assert g.choose([True, True, True, False], 50) == 0
+    assert g.choose([50, 50, 50, 0]) == 0
 
 
 def test_calibrates_then_explores_with_backoff():
     g = gate_with({}, None, {})
-    assert g.choose([True] * 4, 50) == 0  # first: measure a plain step
+    assert g.choose([50] * 4) == 0  # first: measure a plain step
     g.observe(0, [0] * 4, [True] * 4, None, verify_s=0.1)
-    assert g.choose([True] * 4, 50) == K  # then: measure one full cycle
-    g.observe(K, [1, 0, 1, K], [True] * 4, draft_s=4 * 0.1, verify_s=0.5)
-    # Measured: drafting does not pay. Plain steps, a k = 1 re-check after EXPLORE_AFTER, the next 2x later,
+    assert g.choose([50] * 4) == 1  # then: the cheapest drafting cycle
+    g.observe(1, [1, 0, 1, 1], [True] * 4, draft_s=0.1, verify_s=0.2)
+    # Measured: drafting does not pay. Plain steps, a k = 1 re-check after PROBE_AFTER, the next 2x later,
     # and the backoff carries over to the next generate call (a new Gate on the same memory).
-    picks = [g.choose([True] * 4, 50) for _ in range(2 * EXPLORE_AFTER)]
+    picks = [g.choose([50] * 4) for _ in range(2 * PROBE_AFTER)]
     later = Gate("auto", K, ROWS, g.memory, "__base__")
-    picks += [later.choose([True] * 4, 50) for _ in range(2 * EXPLORE_AFTER)]
-    assert [(i, k) for i, k in enumerate(picks) if k] == [(EXPLORE_AFTER - 1, 1), (3 * EXPLORE_AFTER - 1, 1)]
+    picks += [later.choose([50] * 4) for _ in range(2 * PROBE_AFTER)]
+    assert [(i, k) for i, k in enumerate(picks) if k] == [(PROBE_AFTER - 1, 1), (3 * PROBE_AFTER - 1, 1)]
+
+
+def test_rechecks_a_plain_step_while_drafting():
+    # Drafting pays (GPU-like); a plain step now and then keeps its cost, the reference, fresh.
+    costs = {q: 0.2 + 0.01 * q for q in range(1, K + 2)}
+    g = gate_with(costs, 0.1, {"x": 0.95, "y": 0.95})
+    picks = [g.choose([50] * 4) for _ in range(4 * PROBE_AFTER)]
+    assert [i for i, k in enumerate(picks) if k != K] == [PROBE_AFTER - 1, 3 * PROBE_AFTER - 1]
+    assert picks[PROBE_AFTER - 1] == 0
+
+
+def test_grows_k_one_step_past_the_widest_timed_verify():
+    # Only a plain step and k = 1 were timed; wide verifies look nearly free by extrapolation, but k
+    # may reach only 2 (verify width 3) until that width is timed too.
+    g = gate_with({1: 0.2, 2: 0.21}, 0.05, {"x": 0.95, "y": 0.95})
+    assert g._costs() == pytest.approx([0.2, 0.05 + 0.21, 0.1 + 0.22])
+    assert g.choose([50] * 4) == 2
+    g.observe(2, [2, 2, 2, 2], [True] * 4, draft_s=0.1, verify_s=0.22)
+    assert g.choose([50] * 4) == 3
+
+
+def test_extrapolated_verify_never_cheaper_than_the_widest_timed():
+    g = gate_with({1: 0.2, 2: 0.19}, 0.05, {"x": 0.95, "y": 0.95})  # noise: width 2 timed below width 1
+    assert g._costs()[2] == pytest.approx(0.1 + 0.19)
+
+
+def test_cost_is_the_median_of_recent_timings():
+    mem = GateMemory()
+    for t in [0.1] * (COST_WINDOW - 1) + [5.0]:  # one slow pass (the OS, the allocator) changes nothing
+        mem.observe_cost("x", t)
+    assert mem.costs["x"] == pytest.approx(0.1)
+    for _ in range(COST_WINDOW):  # a lasting change is followed within a window
+        mem.observe_cost("x", 0.3)
+    assert mem.costs["x"] == pytest.approx(0.3)
 
 
 def test_obvious_cases():
     costs = {q: 0.2 + 0.01 * q for q in range(1, K + 2)}
-    assert gate_with(costs, 0.1, {}, rows=["__base__"] * 3).choose([True] * 3, 50) == 0
+    assert gate_with(costs, 0.1, {}, rows=["__base__"] * 3).choose([50] * 3) == 0
     g = gate_with(costs, 0.1, {"x": 0.99, "y": 0.99})
-    assert g.choose([False, False, False, True], 50) == 0  # only a __base__ row is still decoding
-    assert g.choose([True] * 4, longest_remaining=2) == 1  # never more drafts than can be used
-    assert gate_with({}, None, {}, mode="always").choose([True] * 4, 50) == K
-    assert gate_with(costs, 0.1, {"x": 1.0, "y": 1.0}, mode="never").choose([True] * 4, 50) == 0
+    assert g.choose([0, 0, 0, 50]) == 0  # only a __base__ row is still decoding
+    assert g.choose([2] * 4) == 1  # never more drafts than can be used
+    assert gate_with({}, None, {}, mode="always").choose([50] * 4) == K
+    assert gate_with(costs, 0.1, {"x": 1.0, "y": 1.0}, mode="never").choose([50] * 4) == 0
 
 
 def test_pass_timer_on_cpu():
@@ -110,4 +145,4 @@ def test_marginal_gains_do_not_trigger_drafting():
     t1 = (1 + a) * plain / 1.03  # time of a k = 1 cycle that gives 1.03x the plain rate
     costs = {1: plain, 2: t1 - 0.1, 3: 10.0, 4: 10.0, 5: 10.0}
     g = gate_with(costs, 0.1, {"x": a, "y": a}, rows=["x", "y"])
-    assert g.choose([True, True], 50) == 0
+    assert g.choose([50, 50]) == 0
