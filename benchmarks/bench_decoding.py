@@ -5,7 +5,8 @@ held-out domain. Sections:
   1. throughput and per-token latency vs distinct adapters x batch size, for stock PEFT
      generate(adapter_names=), the optimized baseline (fast kernels, no drafting: gate="never"),
      InvisibleLoRA with fixed k (gate="always") and with the gate; greedy, plus sampling (T=0.7)
-     at the largest adapter count. Configurations run interleaved, medians of repeats, one
+     at the largest adapter count. Configurations run interleaved (order rotated each repeat),
+     medians of repeats, ratios to the baseline as medians of per-repeat ratios, one
      warm-up call each (which also lets the gate calibrate, as a server's first request would);
   2. acceptance per adapter (greedy and sampling, k = 4 fixed), median over adapters;
   3. the bound: (T_base + T_lora) / T_base per token, from timed plain steps LoRA off vs on;
@@ -86,27 +87,31 @@ def measure(model, rows, enc, configs, new_tokens, repeats, sampling):
     eos = eos if isinstance(eos, list) else [eos]
     kw = dict(adapter_names=rows, max_new_tokens=new_tokens, return_dict_in_generate=True)
     kw.update(dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0) if sampling else dict(do_sample=False))
-    times = {c: [] for c in configs}
+    rates = {c: [] for c in configs}  # generated tokens/s of each counted call
     last, first = {}, {}
     for rep in range(repeats + 1):  # rep 0: warm-up, not counted
-        for c in configs:
+        for c in configs[rep % len(configs):] + configs[: rep % len(configs)]:  # rotated: no config always follows the same one
             torch.manual_seed(rep)
             t = time.perf_counter()
             with torch.no_grad():
                 out = model.generate(**enc, **kw, **CONFIGS[c])
+            seconds = time.perf_counter() - t
             if rep:
-                times[c].append(time.perf_counter() - t)
+                rates[c].append(sum(generated_tokens(out.sequences, enc.input_ids.shape[1], eos)) / seconds)
             else:
-                first[c] = time.perf_counter() - t
+                first[c] = seconds
             last[c] = out
     res = {}
     for c in configs:
         tokens = generated_tokens(last[c].sequences, enc.input_ids.shape[1], eos)
-        sec = statistics.median(times[c])
+        rate = statistics.median(rates[c])
         stats = getattr(last[c], "stats", None)
         res[c] = dict(
-            seconds=sec, first_call_s=first[c], tokens=sum(tokens), tokens_per_s=sum(tokens) / sec,
-            ms_per_token=1000 * sec / max(1, max(tokens)),  # a row's latency per generated token
+            tokens_per_s=rate, seconds=sum(tokens) / rate, first_call_s=first[c], tokens=sum(tokens),
+            # Speed relative to the baseline: the median over repeats of the ratio within each repeat
+            # (calls seconds apart), which a drift of the machine's speed over the run does not skew.
+            ratio=statistics.median(r / b for r, b in zip(rates[c], rates["baseline"])),
+            ms_per_token=1000 * sum(tokens) / rate / max(1, max(tokens)),  # a row's latency per generated token
             acceptance=stats.acceptance_rate if stats else None,
             k_per_cycle=stats.k_per_cycle if stats else None,
             cache_bytes=stats.cache_bytes if stats else None,
@@ -178,7 +183,7 @@ def plot(results, path):
         for c in CONFIGS:
             if c in pts[0]["configs"]:
                 ax.plot([r["adapters"] for r in pts],
-                        [r["configs"][c]["tokens_per_s"] / r["configs"]["baseline"]["tokens_per_s"] for r in pts],
+                        [r["configs"][c]["ratio"] for r in pts],
                         marker="o", label=c)
         ax.set_title(f"batch {b}")
         ax.set_xlabel("distinct adapters")
@@ -194,7 +199,7 @@ def table(results) -> str:
     lines = ["| mode | batch | adapters | " + " | ".join(names) + " | gate's k |", "|---" * (len(names) + 4) + "|"]
     for r in results["throughput"]:
         cfg = r["configs"]
-        cells = [f"{cfg[c]['tokens_per_s']:.1f} ({cfg[c]['tokens_per_s'] / cfg['baseline']['tokens_per_s']:.2f}x)"
+        cells = [f"{cfg[c]['tokens_per_s']:.1f} ({cfg[c]['ratio']:.2f}x)"
                  if c in cfg else "-" for c in names]
         ks = cfg.get("gate", {}).get("k_per_cycle") or []
         lines.append(f"| {'sample' if r['sampling'] else 'greedy'} | {r['batch']} | {r['adapters']} | "
