@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import BatchEncoding
 
 import hf_invisiblelora  # noqa: F401  (generate(invisible_lora=True))
 
@@ -43,41 +44,96 @@ CONFIGS = {
     "k2": dict(invisible_lora=True, gate="always", num_draft_tokens=2),
     "k4": dict(invisible_lora=True, gate="always", num_draft_tokens=4),
     "gate": dict(invisible_lora=True, gate="auto", num_draft_tokens=4),
+    # The baseline again, as a control: its ratio to the baseline is the run's noise (an A/A test).
+    "control": dict(invisible_lora=True, gate="never"),
 }
 # The same with compiled fixed-shape passes (torch.compile on the CPU, CUDA graphs on CUDA). The
 # first call of each compiles; it is the warm-up, reported separately as first_call_s.
 COMPILED = {f"{c}_compiled": dict(CONFIGS[c], compile=True) for c in ("baseline", "k1", "k2", "k4", "gate")}
 CONFIGS.update(COMPILED)
+SAMPLED = ("stock_peft", "baseline", "k2", "gate", "control")  # the configurations of the sampling row
 
 
-def load(smoke: bool):
-    """(peft_model, tokenizer, adapter names, prompts_for(name, count, seed))."""
-    if smoke:
+def load(kind: str, device: str, dtype: torch.dtype, strength: float):
+    """(peft_model on device/dtype, encode(prompts) -> inputs on device, adapter names, prompts_for(name, count, seed))."""
+    tok = None
+    if kind == "synthetic":  # prompts are token ids, all of one length
+        model, names, prompts_for = synthetic(strength)
+    elif kind == "smoke":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         from tiny import tiny_peft, tiny_tokenizer
 
-        tok = tiny_tokenizer()
-        model = tiny_peft("llama", strength=0.5, dtype=torch.float32)
+        tok, model = tiny_tokenizer(), tiny_peft("llama", strength=0.5, dtype=torch.float32)
         texts = ["the quick brown fox", "once upon a time", "hello world", "over the lazy dog"]
-        return model, tok, ["a", "b", "c", "d"], lambda name, n, seed: [texts[(seed + i) % 4] for i in range(n)]
-    from hf_invisiblelora import zoo
+        names = ["a", "b", "c", "d"]
 
-    model, tok, names = zoo.load_zoo("smollm2")
-    domains = {n: e["domain"] for n, e in zoo.read_manifest(zoo.zoo_dir("smollm2"))["adapters"].items()}
-    return model, tok, names, lambda name, n, seed: zoo.heldout_prompts(domains[name], tok, n, 32, seed=seed)
+        def prompts_for(name, n, seed):
+            return [texts[(seed + i) % 4] for i in range(n)]
+    else:
+        from hf_invisiblelora import zoo
+
+        model, tok, names = zoo.load_zoo("smollm2")
+        domains = {n: e["domain"] for n, e in zoo.read_manifest(zoo.zoo_dir("smollm2"))["adapters"].items()}
+
+        def prompts_for(name, n, seed):
+            return zoo.heldout_prompts(domains[name], tok, n, 32, seed=seed)
+
+    def encode(prompts):
+        if tok is None:
+            ids = torch.tensor(prompts)
+            enc = BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        else:
+            tok.padding_side = "left"
+            enc = tok(prompts, return_tensors="pt", padding=True)
+        return enc.to(device)
+
+    return model.to(device=device, dtype=dtype), encode, names, prompts_for
 
 
-def workload(tok, names, prompts_for, n_adapters, batch):
+def synthetic(strength: float, n_adapters: int = 16, prompt_len: int = 32):
+    """SmolLM2-135M's shape with random weights and random LoRA adapters (ranks 8-64, attention-only
+    or all 7 linear modules): needs no files, so it runs where the zoo cannot travel (a lent GPU).
+    Speeds are those of the real shape; acceptance follows ``strength`` (the scale of the adapters'
+    random B weights), not real text, and is reported with the results."""
+    from bench_kernels import SMOLLM2_135M, TARGETS
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).eval()
+    names = [f"synthetic{i}" for i in range(n_adapters)]
+    configs = [LoraConfig(r=r, lora_alpha=r, target_modules=TARGETS if i % 2 else TARGETS[:4], init_lora_weights=False)
+               for i, r in enumerate((8, 16, 32, 64)[i % 4] for i in range(n_adapters))]
+    model = get_peft_model(base, configs[0], adapter_name=names[0])
+    for name, config in zip(names[1:], configs[1:]):
+        model.add_adapter(name, config)
+    with torch.no_grad():
+        for n, w in model.named_parameters():
+            if "lora_B" in n:
+                w.mul_(strength)
+
+    def prompts_for(name, n, seed):
+        g = torch.Generator().manual_seed(1000 * names.index(name) + seed)
+        return torch.randint(3, SMOLLM2_135M["vocab_size"], (n, prompt_len), generator=g).tolist()
+
+    return model.eval(), names, prompts_for
+
+
+def workload(encode, names, prompts_for, n_adapters, batch):
     rows = [names[i % n_adapters] for i in range(batch)]
-    prompts = [prompts_for(name, 1, seed=i)[0] for i, name in enumerate(rows)]
-    tok.padding_side = "left"
-    return rows, tok(prompts, return_tensors="pt", padding=True)
+    return rows, encode([prompts_for(name, 1, seed=i)[0] for i, name in enumerate(rows)])
+
+
+def sync():
+    """Wait for queued GPU work before reading a clock (generate returns with work still queued)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def generated_tokens(sequences, prompt_len, eos):
     """Tokens each row generated, up to and including its first EOS."""
     new = sequences[:, prompt_len:]
-    is_eos = torch.isin(new, torch.tensor(eos))
+    is_eos = torch.isin(new, torch.tensor(eos, device=new.device))
     first = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, new.shape[1])
     return first.tolist()
 
@@ -95,6 +151,7 @@ def measure(model, rows, enc, configs, new_tokens, repeats, sampling):
             t = time.perf_counter()
             with torch.no_grad():
                 out = model.generate(**enc, **kw, **CONFIGS[c])
+            sync()
             seconds = time.perf_counter() - t
             if rep:
                 rates[c].append(sum(generated_tokens(out.sequences, enc.input_ids.shape[1], eos)) / seconds)
@@ -107,7 +164,7 @@ def measure(model, rows, enc, configs, new_tokens, repeats, sampling):
         rate = statistics.median(rates[c])
         stats = getattr(last[c], "stats", None)
         res[c] = dict(
-            tokens_per_s=rate, seconds=sum(tokens) / rate, first_call_s=first[c], tokens=sum(tokens),
+            tokens_per_s=rate, seconds=sum(tokens) / rate, first_call_s=first[c], tokens=sum(tokens), rates=rates[c],
             # Speed relative to the baseline: the median over repeats of the ratio within each repeat
             # (calls seconds apart), which a drift of the machine's speed over the run does not skew.
             ratio=statistics.median(r / b for r, b in zip(rates[c], rates["baseline"])),
@@ -122,11 +179,9 @@ def measure(model, rows, enc, configs, new_tokens, repeats, sampling):
     return res
 
 
-def acceptance(model, tok, names, prompts_for, per_adapter, new_tokens):
+def acceptance(model, encode, names, prompts_for, per_adapter, new_tokens):
     rows = [n for n in names for _ in range(per_adapter)]
-    prompts = [p for n in names for p in prompts_for(n, per_adapter, 100)]
-    tok.padding_side = "left"
-    enc = tok(prompts, return_tensors="pt", padding=True)
+    enc = encode([p for n in names for p in prompts_for(n, per_adapter, 100)])
     out = {}
     for mode, kw in (("greedy", dict(do_sample=False)), ("sampling", dict(do_sample=True, temperature=0.7))):
         torch.manual_seed(0)
@@ -140,11 +195,11 @@ def acceptance(model, tok, names, prompts_for, per_adapter, new_tokens):
     return out
 
 
-def bound(model, tok, names, prompts_for, batch, repeats):
+def bound(model, encode, names, prompts_for, batch, repeats):
     """(T_base + T_lora) / T_base: one LoRA-on plain step over one LoRA-off step, bank kernels."""
     from hf_invisiblelora.bank import get_bank
 
-    rows, enc = workload(tok, names, prompts_for, len(names), batch)
+    rows, enc = workload(encode, names, prompts_for, len(names), batch)
     bank = get_bank(model)
     slots = bank.slots(rows)
     ids = enc.input_ids[:, -1:]
@@ -153,8 +208,10 @@ def bound(model, tok, names, prompts_for, batch, repeats):
         for rep in range(repeats + 1):
             for mode in ("off", "on"):
                 bank.set_batch(slots if mode == "on" else None, 1)
+                sync()
                 start = time.perf_counter()
                 model(input_ids=ids, logits_to_keep=1)
+                sync()
                 if rep:
                     t[mode].append(time.perf_counter() - start)
     off, on = statistics.median(t["off"]), statistics.median(t["on"])
@@ -219,6 +276,12 @@ def main(argv=None):
     p.add_argument("--batches", nargs="+", type=int, help="override the grid's batch sizes")
     p.add_argument("--adapter-counts", nargs="+", type=int, help="override the grid's distinct-adapter counts")
     p.add_argument("--no-sampling", action="store_true", help="greedy only")
+    p.add_argument("--device", default="cpu", help="e.g. cuda (the Triton kernels; compiled = CUDA graphs)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--synthetic", action="store_true",
+                   help="SmolLM2-135M's shape with random weights and 16 random adapters instead of the zoo (no files needed)")
+    p.add_argument("--strength", type=float, default=0.3,
+                   help="--synthetic: scale of the adapters' random B weights (0.3: ~88%% greedy acceptance, fp32 CPU)")
     args = p.parse_args(argv)
     logging.basicConfig(format="%(message)s")
     logging.getLogger("hf_invisiblelora").setLevel(logging.INFO)  # compile times of compiled passes
@@ -229,31 +292,32 @@ def main(argv=None):
     else:
         batches, adapter_counts = [1, 4, 16, 32], [1, 2, 4, 8, 12]
     batches, adapter_counts = args.batches or batches, args.adapter_counts or adapter_counts
-    model, tok, names, prompts_for = load(args.smoke)
+    kind = "smoke" if args.smoke else "synthetic" if args.synthetic else "zoo"
+    model, encode, names, prompts_for = load(kind, args.device, getattr(torch, args.dtype), args.strength)
     adapter_counts = [a for a in adapter_counts if a <= len(names)] or [len(names)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = dict(command="python " + " ".join(sys.argv), machine=platform.platform(), threads=torch.get_num_threads(),
+                   device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", dtype=args.dtype, model=kind,
                    torch=torch.__version__, adapters=names, new_tokens=args.new_tokens, repeats=args.repeats,
                    throughput=[])
     for b in batches:
         for a in adapter_counts:
             if a > b:
                 continue
-            rows, enc = workload(tok, names, prompts_for, a, b)
+            rows, enc = workload(encode, names, prompts_for, a, b)
             for sampling in (False, True) if a == max(adapter_counts) and not args.no_sampling else (False,):
-                configs = [c for c in CONFIGS if c not in COMPILED] if not sampling else ["stock_peft", "baseline", "k2", "gate"]
-                if args.configs:
-                    configs = [c for c in CONFIGS if c in args.configs or c == "baseline"]
-                    if sampling:
-                        configs = [c for c in configs if c in ("stock_peft", "baseline", "k2", "gate")]
+                configs = [c for c in CONFIGS if c in args.configs or c == "baseline"] if args.configs else \
+                    [c for c in CONFIGS if c not in COMPILED]
+                if sampling:
+                    configs = [c for c in configs if c in SAMPLED]
                 r = measure(model, rows, enc, configs, args.new_tokens, args.repeats, sampling)
                 results["throughput"].append(dict(batch=b, adapters=a, sampling=sampling, configs=r))
                 print(table(dict(throughput=results["throughput"][-1:])).splitlines()[-1], flush=True)
     if not args.no_extras:
-        results["acceptance"] = acceptance(model, tok, names, prompts_for, 2 if args.smoke else 4, args.new_tokens)
-        results["bound"] = [bound(model, tok, names, prompts_for, b, args.repeats) for b in batches]
-        rows, enc = workload(tok, names, prompts_for, len(names), max(batches))
+        results["acceptance"] = acceptance(model, encode, names, prompts_for, 2 if args.smoke else 4, args.new_tokens)
+        results["bound"] = [bound(model, encode, names, prompts_for, b, args.repeats) for b in batches]
+        rows, enc = workload(encode, names, prompts_for, len(names), max(batches))
         results["memory"] = dict(
             batch=max(batches), stock_cache_bytes=stock_cache_bytes(model, enc, rows, args.new_tokens),
             hybrid_cache_bytes={c: v["cache_bytes"] for c, v in results["throughput"][-1]["configs"].items()

@@ -111,3 +111,17 @@ def test_backend_choice():
         compiled.backend_for(True, cuda, torch.float64, "bank")
     pytest.importorskip("triton")
     assert compiled.backend_for("auto", cuda, torch.bfloat16, "bank") == "cuda_graphs"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run by benchmarks/gpu_check.sh)")
+@pytest.mark.parametrize("k", [1, 4])
+def test_cuda_graphs_equal_eager_and_stock(k):
+    model = tiny_peft("llama", strength=0.6, dtype=torch.float32).cuda()
+    ids, mask = (t.cuda() for t in prompts([5, 9, 3, 7, 9, 1, 6]))
+    stock = generate(model, ids, mask, ROWS)
+    kw = dict(invisible_lora=True, gate="always", num_draft_tokens=k)
+    eager = generate(model, ids, mask, ROWS, compile=False, **kw)
+    captured = generate(model, ids, mask, ROWS, compile=True, **kw)  # first call: captures the graphs
+    replayed = generate(model, ids, mask, ROWS, compile=True, **kw)
+    assert torch.equal(eager, stock)
+    assert torch.equal(captured, stock) and torch.equal(replayed, stock)
