@@ -24,15 +24,17 @@ def gate_with(costs_by_q, draft_cost, acceptance, rows=ROWS, mode="auto"):
 
 
 def brute_force_best(costs_by_q, draft_cost, acc):
-    rate = [expected_tokens(acc, [50] * len(acc), k) / (k * draft_cost + costs_by_q[k + 1]) for k in range(K + 1)]
+    """With every row 50 tokens from its end, the row that accepts least finishes last."""
+    a = min(acc)
+    rate = [sum(a**j for j in range(k + 1)) / (k * draft_cost + costs_by_q[k + 1]) for k in range(K + 1)]
     rate[0] *= MARGIN  # drafting must promise a margin over a plain step
     return max(range(K + 1), key=rate.__getitem__)
 
 
 def test_expected_tokens():
-    assert expected_tokens([1.0, 0.0], [50, 50], 3) == pytest.approx(4 + 1)
-    assert expected_tokens([0.5], [50], 2) == pytest.approx(1 + 0.5 + 0.25)
-    assert expected_tokens([1.0, 0.5, 0.5], [2, 1, 0], 3) == pytest.approx(2 + 1 + 0)  # capped by what rows have left
+    assert expected_tokens(1.0, 50, 3) == 4 and expected_tokens(0.0, 50, 3) == 1
+    assert expected_tokens(0.5, 50, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(1.0, 2, 3) == 2 and expected_tokens(0.5, 1, 3) == 1  # at most what the row has left
 
 
 def test_no_drafting_when_it_cannot_pay():
@@ -60,6 +62,16 @@ def test_interpolates_unmeasured_verify_costs():
     acc = [0.7, 0.7, 0.7, 1.0]
     assert g._costs() == pytest.approx([k * 0.1 + full[k + 1] for k in range(K + 1)])
     assert g.choose([50] * 4) == brute_force_best(full, 0.1, acc)
+
+
+def test_the_row_that_finishes_last_sets_k():
+    # GPU-like costs. Three rows accept 99% of drafts, one 30%: drafting K would commit the most
+    # tokens per cycle, but the call lasts until the 30% row is done, and for it drafts do not pay.
+    costs = {q: 0.2 + 0.01 * q for q in range(1, K + 2)}
+    g = gate_with(costs, 0.1, {"x": 0.99, "y": 0.3}, rows=["x", "x", "x", "y"])
+    assert g.choose([50] * 4) == 0
+    assert g.choose([50, 50, 50, 0]) == K  # once it is done, the rest draft
+    assert g.choose([50, 50, 50, 2]) == K  # or nearly: 2 plain steps finish it before the others
 
 
 def test_adapts_when_acceptance_changes():
@@ -139,10 +151,12 @@ def test_pass_timer_on_cpu():
 
 
 def test_marginal_gains_do_not_trigger_drafting():
-    # k = 1 promises 3% more tokens/s than a plain step: within the noise margin, so no drafting.
-    a = 0.9
-    plain = 0.2
-    t1 = (1 + a) * plain / 1.03  # time of a k = 1 cycle that gives 1.03x the plain rate
-    costs = {1: plain, 2: t1 - 0.1, 3: 10.0, 4: 10.0, 5: 10.0}
-    g = gate_with(costs, 0.1, {"x": a, "y": a}, rows=["x", "y"])
-    assert g.choose([50, 50]) == 0
+    # k = 1 promises 1% more speed than a plain step: within the noise margin, so no drafting;
+    # 4% more is beyond it.
+    a, plain = 0.9, 0.2
+    for gain, k in ((1.01, 0), (1.04, 1)):
+        t1 = (1 + a) * plain / gain  # time of a k = 1 cycle that gives `gain` times the plain rate
+        costs = {1: plain, 2: t1 - 0.1, 3: 10.0, 4: 10.0, 5: 10.0}
+        g = gate_with(costs, 0.1, {"x": a, "y": a}, rows=["x", "y"])
+        assert g.choose([50, 50]) == k
+    assert 1.01 < MARGIN < 1.04
