@@ -102,8 +102,9 @@ def synthetic(strength: float, n_adapters: int = 16, prompt_len: int = 32):
     torch.manual_seed(0)
     base = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).eval()
     names = [f"synthetic{i}" for i in range(n_adapters)]
+    ranks = [(8, 16, 32, 64)[i % 4] for i in range(n_adapters)]
     configs = [LoraConfig(r=r, lora_alpha=r, target_modules=TARGETS if i % 2 else TARGETS[:4], init_lora_weights=False)
-               for i, r in enumerate((8, 16, 32, 64)[i % 4] for i in range(n_adapters))]
+               for i, r in enumerate(ranks)]
     model = get_peft_model(base, configs[0], adapter_name=names[0])
     for name, config in zip(names[1:], configs[1:]):
         model.add_adapter(name, config)

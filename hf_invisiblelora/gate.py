@@ -56,6 +56,15 @@ def check_gate(gate: str, num_draft_tokens: int) -> None:
 
 
 @dataclass
+class Probe:
+    """When to re-check the other side of a batch shape's decision."""
+
+    drafting: bool  # the side of the last decision (k > 0)
+    since: int = 0  # cycles since the other side was tried
+    after: int = PROBE_AFTER  # cycles before the next re-check
+
+
+@dataclass
 class GateMemory:
     """What the gate learned on one model: acceptance per adapter and pass costs (seconds)."""
 
@@ -63,9 +72,7 @@ class GateMemory:
     trials: dict = field(default_factory=dict)  # adapter -> decayed drafts judged
     costs: dict = field(default_factory=dict)  # ("draft", shape) / ("verify", shape, q) -> seconds (median)
     timings: dict = field(default_factory=dict)  # the same keys -> the last COST_WINDOW timings
-    drafting: dict = field(default_factory=dict)  # shape -> the side of the last decision (k > 0)
-    since_probe: dict = field(default_factory=dict)  # shape -> cycles since the other side was tried
-    probe_after: dict = field(default_factory=dict)  # shape -> cycles before the next re-check
+    probes: dict = field(default_factory=dict)  # shape -> Probe
 
     def acceptance(self, adapter: str) -> float:
         a, t = self.accepted.get(adapter, 0.0), self.trials.get(adapter, 0.0)
@@ -120,14 +127,13 @@ class Gate:
         """``best``, or now and then the cheapest cycle of the other side (k = 1 if best is a plain
         step, else a plain step): it refreshes the estimates the decision rests on. The backoff
         lives on the model, so many short calls do not each pay for a probe."""
-        m, shape = self.memory, self.shape
-        if m.drafting.get(shape) != (best > 0):  # the decision changed: re-check soon
-            m.drafting[shape], m.since_probe[shape], m.probe_after[shape] = best > 0, 0, PROBE_AFTER
-        m.since_probe[shape] = m.since_probe.get(shape, 0) + 1
-        if m.since_probe[shape] < m.probe_after.get(shape, PROBE_AFTER):
+        p = self.memory.probes.get(self.shape)
+        if p is None or p.drafting != (best > 0):  # new, or the decision changed: re-check soon
+            p = self.memory.probes[self.shape] = Probe(drafting=best > 0)
+        p.since += 1
+        if p.since < p.after:
             return best
-        m.since_probe[shape] = 0
-        m.probe_after[shape] = min(PROBE_MAX, 2 * m.probe_after.get(shape, PROBE_AFTER))
+        p.since, p.after = 0, min(PROBE_MAX, 2 * p.after)
         return 0 if best else 1
 
     def _costs(self):
