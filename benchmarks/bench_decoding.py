@@ -208,7 +208,7 @@ def bound(model, encode, names, prompts_for, batch, repeats):
     with torch.no_grad(), bank.installed():
         for rep in range(repeats + 1):
             for mode in ("off", "on"):
-                bank.set_batch(slots if mode == "on" else None, 1)
+                bank.set_batch(slots if mode == "on" else None)
                 sync()
                 start = time.perf_counter()
                 model(input_ids=ids, logits_to_keep=1)

@@ -60,7 +60,7 @@ def bench_config(pm, layer, n_adapters, batch, repeats):
     ids = torch.randint(0, SMOLLM2_135M["vocab_size"], (batch, 1))
     x = torch.randn(batch, 1, SMOLLM2_135M["intermediate_size"])
     with torch.no_grad(), bank.installed():
-        bank.set_batch(bank.slots(names), 1)
+        bank.set_batch(bank.slots(names))
         got = pm(ids, logits_to_keep=1).logits
     with torch.no_grad():
         ref = pm(ids, adapter_names=names, logits_to_keep=1).logits
@@ -80,7 +80,7 @@ def bench_config(pm, layer, n_adapters, batch, repeats):
         base_layer = timed(lambda: layer.base_layer(x), repeats, 200)
         res["layer_delta_peft_us"] = (timed(peft_layer, repeats, 200)[0] - base_layer[0]) * 1e6
         with bank.installed():
-            bank.set_batch(bank.slots(names), 1)
+            bank.set_batch(bank.slots(names))
             res["layer_delta_torch_us"] = (timed(lambda: layer(x), repeats, 200)[0] - base_layer[0]) * 1e6
         # Decode steps, interleaved: each repeat runs every variant once.
         samples = {k: [] for k in ("base", "bank_no_lora", "peft", "torch")}
@@ -89,9 +89,9 @@ def bench_config(pm, layer, n_adapters, batch, repeats):
                 samples["base"].append(timed(step("base"), 1))
             samples["peft"].append(timed(step("peft"), 1))
             with bank.installed():
-                bank.set_batch(None, 1)
+                bank.set_batch(None)
                 samples["bank_no_lora"].append(timed(step("bank"), 1))
-                bank.set_batch(bank.slots(names), 1)
+                bank.set_batch(bank.slots(names))
                 samples["torch"].append(timed(step("bank"), 1))
     for k, v in samples.items():
         res[f"step_{k}_ms"] = statistics.median(s[0] for s in v) * 1e3

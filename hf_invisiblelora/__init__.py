@@ -4,9 +4,10 @@
 ``invisible_lora=True``; ``hf_invisiblelora.generate(model, ...)`` does the same without the flag.
 """
 
-from .api import generate, install
+from .api import InvisibleLoRAOutput, generate, install
+from .state import state_of
 from .stats import DecodingStats
 
 install()
 
-__all__ = ["generate", "install", "DecodingStats"]
+__all__ = ["generate", "install", "state_of", "DecodingStats", "InvisibleLoRAOutput"]

@@ -2,26 +2,41 @@
 
 Transformers' generate() does the standard preparation (generation config merging and
 validation, logits processors, stopping criteria, ``num_return_sequences`` expansion, special
-tokens) and then hands over to our decoding loop through its ``custom_generate`` callable hook.
+tokens, position ids) and then hands over to our decoding loop through its ``custom_generate``
+callable hook.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+from dataclasses import dataclass
 
+import torch
 from peft import PeftModel, PeftModelForCausalLM
 from peft.tuners.lora.model import _adapter_names_pre_forward_hook
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .adapters import BASE, SWITCHES, check_servable, resolve_adapter_names
-from .compiled import CompiledForward, backend_for
-from .decoding import EagerForward, InvisibleLoRAOutput, run
-from .gate import Gate, check_gate, memory_of
+from .adapters import SWITCHES
+from .checks import BASE, check_call, check_compile, check_model, check_options, resolve_adapter_names
+from .decoding import run
+from .forward import CompiledForward, EagerForward, backend_for
+from .gate import Gate
+from .layout import RowLayout, prompt_positions
+from .rotary import Recompute, StepRotary, length_dependent, recompute_slot
+from .state import state_of
 from .stats import DecodingStats
 
 OPTIONS = ("num_draft_tokens", "gate", "lora_backend", "generator", "compile")  # generate() keywords that only InvisibleLoRA reads
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer")
-_UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+@dataclass
+class InvisibleLoRAOutput(GenerateDecoderOnlyOutput):
+    """``generate(..., return_dict_in_generate=True)`` output: ``sequences``, ``cache`` plus ``stats``."""
+
+    stats: DecodingStats | None = None
 
 
 def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 4, gate: str = "auto",
@@ -38,16 +53,18 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     compile: "auto" (CUDA graphs on CUDA; eager on the CPU, where compiling costs minutes), True
         (torch.compile on the CPU, CUDA graphs on CUDA) or False. Compiled passes have fixed shapes
         (rows and cache length padded to buckets) and are kept on the model for later calls; the
-        first call of a bucket pays the compilation (logged at INFO). ``hf_invisiblelora.compiled.clear``
+        first call of a bucket pays the compilation (logged at INFO). ``state_of(model).clear()``
         drops them.
     With ``return_dict_in_generate=True`` the output has ``.stats`` (DecodingStats); the last
-    call's stats are also at ``model.invisible_lora_stats``.
+    call's stats are also at ``model.invisible_lora_stats``. Calls on one model run one at a time.
     """
-    check_servable(model)
-    check_gate(gate, num_draft_tokens)
-    if lora_backend not in SWITCHES:
-        raise ValueError(f"lora_backend must be one of {list(SWITCHES)}, got {lora_backend!r}.")
+    check_options(gate, num_draft_tokens, lora_backend, compile)
+    check_model(model)
+    inner = model.get_base_model()
     compile_backend = backend_for(compile, model.device, model.dtype, lora_backend)
+    if compile == "auto" and any(length_dependent(m) for m in inner.modules()):
+        compile_backend = None
+    check_compile(compile_backend, inner)
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None or kwargs.get("inputs_embeds") is not None:
         raise ValueError("invisible_lora needs input_ids (inputs_embeds are not supported).")
@@ -55,58 +72,80 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         if kwargs.get(name) is not None:
             raise ValueError(f"invisible_lora is speculative decoding already; it cannot be combined with {name}.")
     names = resolve_adapter_names(model, adapter_names, input_ids.shape[0])
+    mixed = adapter_names is not None  # stock PEFT takes its mixed-batch path only when given adapter_names
     streamer = kwargs.pop("streamer", None)
     tokenizer = kwargs.pop("tokenizer", None)
     _move_stop_strings(model, kwargs, tokenizer)
     stats = DecodingStats(names, num_draft_tokens)
+    state = state_of(model)
 
     # generate() calls this after its preparation; ``input_ids`` are then expanded for num_return_sequences.
     def decode(inner, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
-        _check_config(generation_config)
+        check_call(generation_config, logits_processor, model_kwargs, input_ids, streamer)
         rows = _expand(names, input_ids.shape[0])
         stats.adapter_names = rows
         if streamer is not None:
-            if input_ids.shape[0] != 1:
-                raise ValueError("A streamer needs a batch of one row (as in standard generate).")
             streamer.put(input_ids.cpu())
-        lora = SWITCHES[lora_backend](model, rows)
-
-        def new_forward(pad, max_len):
-            if compile_backend is None:
-                return EagerForward(inner, lora, pad, max_len)
-            return CompiledForward(inner, model, lora, pad, max_len, compile_backend, range(1, num_draft_tokens + 2))
-
-        with lora.installed():
-            sequences = run(
-                input_ids, model_kwargs.get("attention_mask"), new_forward, logits_processor, stopping_criteria,
-                generation_config, max_draft_tokens=num_draft_tokens,
-                gate=Gate(gate, num_draft_tokens, rows, memory_of(model), BASE, variant=compile_backend or "eager"),
+        mask = model_kwargs.get("attention_mask")
+        positions = model_kwargs.get("position_ids")
+        if positions is None:
+            positions = prompt_positions(mask, input_ids)
+        prompt_len, max_new = input_ids.shape[1], generation_config.max_length - input_ids.shape[1]
+        width, last_used = prompt_len + max_new + num_draft_tokens + 1, prompt_len + max_new - 2
+        lora = SWITCHES[lora_backend](model, rows, mixed, state.mine)
+        if compile_backend is None:
+            fwd = EagerForward(inner, lora, RowLayout(inner.config, inner.dtype, mask, positions, width, last_used))
+        else:
+            fwd = CompiledForward(inner, state.buckets, lora, mask, positions, width, last_used, compile_backend,
+                                  range(1, num_draft_tokens + 2))
+        rotary = StepRotary(inner, fwd.layout, state.mine)
+        slot = recompute_slot(inner, prompt_len)
+        with lora.installed(), rotary.installed():
+            sequences, done = run(
+                input_ids, fwd, logits_processor, stopping_criteria, generation_config,
+                max_draft_tokens=num_draft_tokens,
+                gate=Gate(gate, num_draft_tokens, rows, state.gate, BASE, variant=compile_backend or "eager"),
                 streamer=streamer, generator=generator, stats=stats,
+                recompute=None if slot is None else Recompute(slot, input_ids.shape[0]),
             )
-        if generation_config.return_dict_in_generate:
-            return InvisibleLoRAOutput(sequences=sequences, stats=stats)
-        return sequences
+            rotary.finish(sequences.shape[1] - prompt_len)
+            if not generation_config.return_dict_in_generate:
+                return sequences
+            cache = _returned_cache(fwd, done, sequences, inner.config, copy=compile_backend is not None)
+        return InvisibleLoRAOutput(sequences=sequences, cache=cache, stats=stats)
 
-    inner = model.get_base_model()
+    if state.mine():
+        raise RuntimeError("generate(invisible_lora=True) was called from inside another InvisibleLoRA call on the "
+                           "same model (a streamer, processor or criterion?): calls on one model run one at a time.")
     inner.generation_config = model.generation_config  # as PEFT's own generate does
-    out = inner.generate(input_ids, custom_generate=decode, **kwargs)
+    with state.lock:
+        state.owner = threading.get_ident()
+        try:
+            out = inner.generate(input_ids, custom_generate=decode, **kwargs)
+        finally:
+            state.owner = None
     model.invisible_lora_stats = stats
     return out
+
+
+def _returned_cache(fwd, rows, sequences, config, copy: bool):
+    """The DynamicCache standard generate() returns: keys/values of every token but the last.
+
+    Rows that finished early were fed their EOS and padding by standard decoding (one step per
+    token of the longest row); one LoRA-on pass over those tail slots computes the same entries.
+    """
+    b, length = sequences.shape
+    end = length - 1  # standard decoding never feeds the last token
+    first = rows.prompt_len + min(rows.gen_h) - 1  # the earliest slot a row has not cached
+    if first < end:
+        start = torch.full((b,), first, dtype=torch.long, device=sequences.device)
+        fwd(sequences[:, first:end], start, end, keep=1)
+    return fwd.cache.to_dynamic(config, end, rows=b, copy=copy)
 
 
 def _expand(names: list[str], rows: int) -> list[str]:
     per = rows // len(names)  # num_return_sequences
     return [n for n in names for _ in range(per)]
-
-
-def _check_config(config) -> None:
-    if config.num_beams > 1:
-        raise ValueError("invisible_lora does not do beam search (num_beams > 1); use greedy or sampling.")
-    if config.prompt_lookup_num_tokens is not None or getattr(config, "assistant_early_exit", None) is not None:
-        raise ValueError("invisible_lora is speculative decoding already; it cannot be combined with assisted decoding.")
-    asked = [o for o in _UNSUPPORTED_OUTPUTS if getattr(config, o, False)]
-    if asked:
-        raise ValueError(f"invisible_lora does not return {asked} yet; call generate without them.")
 
 
 def _move_stop_strings(model, kwargs, tokenizer) -> None:

@@ -1,51 +1,40 @@
 """The adapter bank: every adapter's LoRA weights stacked per layer in fixed slots, and the
 per-forward metadata that lets one batched op per layer replace PEFT's loop over adapters.
 
-    bank = get_bank(peft_model)                      # built once, re-synced cheaply per call
+    bank = get_bank(peft_model)                      # built once, re-synced per call
     row_slots = bank.slots(["math", "__base__", "code"])
     with bank.installed():
-        bank.set_batch(row_slots, tokens_per_row=1)  # once per forward, shared by all layers
+        bank.set_batch(row_slots)                    # once per forward, shared by all layers
         logits = peft_model(input_ids).logits
+
+Numerics follow PEFT: the stacks keep the adapters' own dtype (PEFT keeps float32 adapters on a
+bfloat16 model), the input is cast to it, and the delta is added as PEFT adds it: rounded to the
+output's dtype first for a mixed batch (``adapter_names=``), in the adapters' dtype otherwise.
 """
 
 import contextlib
+import threading
 
 import torch
-from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.layer import LoraLayer
 
 from . import kernels
+from .state import state_of
 
 BASE = "__base__"
-_BANK_ATTR = "_invisiblelora_bank"
 # Sibling LoRA layers that read the same input tensor in the architectures we know. Their shrinks
 # become one matmul over the concatenated A (measured on the CPU: one shrink for q/k/v costs
 # 40-45% of three separate ones). Only used when the siblings really get the same tensor.
 SHARED_INPUT = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})
 
 
-def _check_layer(name, m):
-    """Raise a ValueError naming what the bank cannot represent in this LoRA layer."""
-    if type(m) is not LoraLinear:
-        raise ValueError(
-            f"LoRA layer {name!r} is a {type(m).__module__}.{type(m).__name__}: the adapter bank supports only "
-            "peft.tuners.lora.layer.Linear (no Embedding/Conv/quantized LoRA layers)"
-        )
-    if m.merged:
-        raise ValueError(f"LoRA layer {name!r} has merged adapters {m.merged_adapters}: unmerge them first")
-    for a in m.lora_A:
-        if a in m.lora_variant:
-            raise ValueError(
-                f"adapter {a!r} in layer {name!r} uses a LoRA variant ({type(m.lora_variant[a]).__name__}, "
-                "e.g. DoRA): not supported by the adapter bank"
-            )
-        if m.lora_bias.get(a, False):
-            raise ValueError(f"adapter {a!r} in layer {name!r} has lora_bias=True: not supported by the adapter bank")
-
-
 def _laid_out(t: torch.Tensor, transposed: bool) -> torch.Tensor:
     """``t`` [S, M, N] with the same values, stored as [S, N, M] if ``transposed`` (a view of it)."""
     return t.transpose(1, 2).contiguous().transpose(1, 2) if transposed else t.contiguous()
+
+
+def lora_modules(model) -> list:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
 
 
 class _Layer:
@@ -54,20 +43,41 @@ class _Layer:
     ``transposed``: store them as [S, in, R] and [S, R, out], the layout the torch path's matmuls
     read fastest (x @ A[s].T); the Triton kernels take either through strides."""
 
-    def __init__(self, m, names, transposed: bool):
-        weight = m.get_base_layer().weight
+    def __init__(self, m, names, dtype, transposed: bool):
+        self.module, self.names = m, names
         ranks = {a: m.lora_A[a].weight.shape[0] for a in m.lora_A}
         r_max = -(-max(ranks.values()) // 4) * 4
-        like = dict(dtype=weight.dtype, device=weight.device)
+        like = dict(dtype=dtype, device=m.get_base_layer().weight.device)
         self.A = _laid_out(torch.zeros(len(names), r_max, m.in_features, **like), transposed)
         self.B = _laid_out(torch.zeros(len(names), m.out_features, r_max, **like), transposed)
-        with torch.no_grad():
-            for slot, a in enumerate(names):
-                if a in ranks:
-                    self.A[slot, : ranks[a]] = m.lora_A[a].weight
-                    # Scale in the adapter's own dtype before casting (fp32 adapters on a bf16 model).
-                    self.B[slot, :, : ranks[a]] = m.lora_B[a].weight * m.scaling[a]
+        for slot, a in enumerate(names):
+            if a in ranks:
+                self.write(slot, a)
         self.group, self.cols = None, (0, r_max)
+
+    def _values(self, a):
+        m = self.module
+        # Scale in the adapter's own dtype before any cast, as PEFT does.
+        return m.lora_A[a].weight.to(self.A.dtype), (m.lora_B[a].weight * m.scaling[a]).to(self.B.dtype)
+
+    @torch.no_grad()
+    def write(self, slot: int, a: str) -> None:
+        A, B = self._values(a)
+        r = A.shape[0]
+        self.A[slot, :r], self.B[slot, :, :r] = A, B
+
+    @torch.no_grad()
+    def changed(self) -> list:
+        """(slot, adapter) whose weights or scaling differ from the stacks (exact comparison: it also
+        sees edits through ``.data``, which no version counter records)."""
+        out = []
+        for slot, a in enumerate(self.names):
+            if a in self.module.lora_A:
+                A, B = self._values(a)
+                r = A.shape[0]
+                if not (torch.equal(self.A[slot, :r], A) and torch.equal(self.B[slot, :, :r], B)):
+                    out.append((slot, a))
+        return out
 
 
 class _Group:
@@ -79,7 +89,8 @@ class _Group:
         start = 0
         for layer in layers:
             r = layer.A.shape[1]
-            # A persistent view: the torch path caches prepared weights by tensor identity.
+            # A persistent view: the torch path caches prepared weights by tensor identity, and
+            # writes to a layer's slot land in the group's stack.
             layer.A, layer.cols, layer.group = self.A[:, start : start + r], (start, start + r), self
             start += r
         self.clear()
@@ -89,60 +100,78 @@ class _Group:
 
 
 class AdapterBank:
-    """Every adapter's LoRA weights of a PEFT model, stacked per LoRA layer in fixed slots."""
+    """Every adapter's LoRA weights of a PEFT model, stacked per LoRA layer in fixed slots.
+
+    ``owner``: the thread id of the call using the bank; other threads calling the model meanwhile
+    get PEFT's own forward (the bank's routing is for that call only).
+    """
 
     def __init__(self, model):
         self.model = model
         self._signature = None
-        self.version = 0  # bumped on every rebuild of the stacks
-        self._meta = None  # metadata of the next forward; None = no LoRA
+        self.version = 0  # bumped when the stacks are reallocated (a graph holding them must be redone)
+        self.owner = None
+        self._original = {}  # module -> its forward before installed()
+        self.round_delta = True  # PEFT's mixed-batch numerics (see the module docstring)
+        self._rows = None  # row slots of the next forward(s); None = no LoRA
+        self._metas = {}  # tokens per row -> metadata of the next forward(s)
         self._last_meta = None  # last LoRA metadata: its weight cache outlives draft passes
         self._memo_rows, self._memo = None, {}  # metadata per tokens_per_row for the current row_slots
         self.sync()
 
-    def _current_signature(self):
-        # What a rebuild depends on: the LoRA modules, adapter names, ranks, scalings and the
-        # identity and in-place version of every LoRA weight. ~10k cheap attribute reads for 64
-        # adapters on a 30-layer model, once per generate call.
+    def _structure(self):
+        # What the stacks' shapes, dtypes and devices depend on.
         sig = []
-        for _, m in self._lora_modules():
-            sig.append((id(m), m.merged, tuple(m.lora_variant), tuple(k for k, v in m.lora_bias.items() if v)))
+        for _, m in lora_modules(self.model):
+            sig.append(id(m))
             for a, lin in m.lora_A.items():
                 wa, wb = lin.weight, m.lora_B[a].weight
-                sig.append((a, m.scaling[a], id(wa), wa._version, id(wb), wb._version))
+                sig.append((a, tuple(wa.shape), tuple(wb.shape), wa.dtype, wb.dtype, wa.device, wb.device))
         return tuple(sig)
 
-    def _lora_modules(self):
-        return [(n, m) for n, m in self.model.named_modules() if isinstance(m, LoraLayer)]
-
     def sync(self) -> None:
-        """Rebuild the stacks if adapters were added or deleted, rescaled or changed in place."""
-        signature = self._current_signature()
-        if signature == self._signature:
+        """Follow the model's adapters: rebuild the stacks if adapters were added, deleted or moved
+        (device, dtype); rewrite the slots of adapters whose weights or scaling changed (by any route:
+        in-place ops, ``.data`` edits, load_state_dict, optimizer steps, set_scale)."""
+        signature = self._structure()
+        if signature != self._signature:
+            self._build()
+            self._signature = signature
             return
-        self.modules = self._lora_modules()
+        changed = [(layer, slot, a) for layer in self.layers.values() for slot, a in layer.changed()]
+        for layer, slot, a in changed:
+            layer.write(slot, a)
+        if changed:
+            self._drop_prepared()
+
+    def _build(self) -> None:
+        self.modules = lora_modules(self.model)
         if not self.modules:
             raise ValueError("no PEFT LoRA layers found in the model")
-        for name, m in self.modules:
-            _check_layer(name, m)
         names = list(dict.fromkeys(a for _, m in self.modules for a in m.lora_A))
-        if BASE in names:
-            raise ValueError(f"an adapter may not be named {BASE!r}: PEFT uses it for 'no adapter'")
         self.adapter_names = names
         weight = self.modules[0][1].get_base_layer().weight
         self.device = weight.device
-        self.ops = kernels.get_backend(self.device, weight.dtype)
+        adapters = [m.lora_A[a].weight for _, m in self.modules for a in m.lora_A]
+        dtype = adapters[0].dtype
+        for w in adapters:
+            dtype = torch.promote_types(dtype, w.dtype)
+        self.dtype = dtype
+        self.ops = kernels.get_backend(self.device, dtype)
         transposed = self.ops is kernels.torch_lora
-        self.layers = {m: _Layer(m, names, transposed) for _, m in self.modules if len(m.lora_A)}
+        self.layers = {m: _Layer(m, names, dtype, transposed) for _, m in self.modules if len(m.lora_A)}
         self.groups = self._make_groups(transposed)
         # One wrapper per layer for the bank's lifetime: compiled graphs guard on the forward they traced.
         self._forwards = {
             m: (lambda x, *args, _m=m, _layer=self.layers.get(m), **kwargs: self._forward(_m, _layer, x, *args, **kwargs))
             for _, m in self.modules
         }
-        self._signature = signature
         self.version += 1
-        self._meta = self._last_meta = None  # their weight caches refer to the old stacks
+        self._drop_prepared()
+
+    def _drop_prepared(self) -> None:
+        # Metadata carries prepared copies of the stacks (torch path): they are stale now.
+        self._metas, self._last_meta = {}, None
         self._memo_rows, self._memo = None, {}
 
     def _make_groups(self, transposed: bool):
@@ -158,74 +187,89 @@ class AdapterBank:
         group = layer.group
         if group is None:
             return self.ops.lora_shrink(x2, layer.A, meta)
-        # Under torch.compile the graph is traced once with fixed inputs; tensor versions are not traceable.
-        version = None if torch.compiler.is_compiling() else x._version
+        # Under torch.compile the graph is traced once with fixed inputs; tensor versions are not
+        # traceable, and inference tensors have none.
+        version = None if torch.compiler.is_compiling() or x.is_inference() else x._version
         if not (group.x is x and group.version == version and group.meta is meta):
             group.x, group.version, group.meta = x, version, meta
             group.y = self.ops.lora_shrink(x2, group.A, meta)
         return group.y[:, layer.cols[0] : layer.cols[1]]
 
     def slots(self, adapter_names) -> torch.LongTensor:
-        """[B] slot of each row's adapter; "__base__" -> -1 (no LoRA)."""
+        """[B] slot of each row's adapter; "__base__" -> -1 (no LoRA). Names are validated by the caller."""
         index = {a: i for i, a in enumerate(self.adapter_names)}
-        unknown = sorted({a for a in adapter_names if a != BASE and a not in index})
-        if unknown:
-            raise ValueError(f"unknown adapter(s) {unknown}; loaded adapters: {self.adapter_names} (or {BASE!r})")
         return torch.tensor([index.get(a, -1) for a in adapter_names], dtype=torch.long, device=self.device)
 
-    def set_batch(self, row_slots, tokens_per_row: int) -> None:
-        """Metadata for the next forward(s): x is [B, tokens_per_row, H] and row r uses slot
-        row_slots[r] for all its tokens. row_slots=None: no LoRA at all (base model cost).
+    def set_batch(self, row_slots) -> None:
+        """The next forward(s) run row r with adapter slot row_slots[r] (every token of the row,
+        whatever the number of tokens per row a layer sees); None: no LoRA at all (base model cost).
         Metadata is memoized per row_slots object: pass a new tensor rather than editing one in place."""
+        self._rows = row_slots
         if row_slots is None:
-            self.set_meta(None)
-            return
-        # A decoding loop alternates a few (row_slots, tokens_per_row) pairs: build each metadata once
-        # per call (building reads counts back to the host: a device sync on CUDA).
-        if self._memo_rows is not row_slots:
-            self._memo_rows, self._memo = row_slots, {}
-        meta = self._memo.get(tokens_per_row)
-        if meta is None:
-            meta = self._memo[tokens_per_row] = kernels.make_meta(
-                self.token_slots(row_slots, tokens_per_row), len(self.adapter_names), previous=self._last_meta
-            )
-        self.set_meta(meta)
-        if not meta.no_lora:
+            self._metas = {}
+        else:
+            # A decoding loop alternates a few widths: build each metadata once per call
+            # (building reads counts back to the host: a device sync on CUDA).
+            if self._memo_rows is not row_slots:
+                self._memo_rows, self._memo = row_slots, {}
+            self._metas = self._memo
+        self._clear_groups()
+
+    def _meta_for(self, tokens: int):
+        """Metadata for a layer input of ``tokens`` tokens (rows x tokens per row: the lm_head sees
+        fewer per row than the other layers)."""
+        meta = self._metas.get(tokens)
+        if meta is None and self._rows is not None:
+            rows = self._rows.shape[0]
+            if tokens % rows:
+                raise ValueError(f"a LoRA layer got {tokens} tokens for {rows} rows: its input is not the batch's "
+                                 "tokens (e.g. LoRA on MoE experts, which see routed tokens); not supported")
+            meta = self._metas[tokens] = kernels.make_meta(
+                self.token_slots(self._rows, tokens // rows), len(self.adapter_names), previous=self._last_meta)
+        if meta is not None and not meta.no_lora:
             self._last_meta = meta
+        return meta
 
     def token_slots(self, row_slots, tokens_per_row: int) -> torch.Tensor:
         """[B * tokens_per_row] slot of each token of a [B, tokens_per_row] input."""
         return torch.as_tensor(row_slots, device=self.device).repeat_interleave(tokens_per_row)
 
-    def set_meta(self, meta) -> None:
-        """Metadata of the next forward(s) as given (kernels.LoraMeta; None = no LoRA)."""
-        self._meta = meta
+    def set_meta(self, metas) -> None:
+        """Metadata of the next forward(s) as given: {tokens in a layer's input: kernels.LoraMeta},
+        or None = no LoRA."""
+        self._rows, self._metas = None, metas or {}
+        self._clear_groups()
+
+    def _clear_groups(self):
         # A new pass: nothing to share with the last one. (A compiled pass also guards on what it
         # finds here: it must always find the same, nothing.)
         for group in self.groups:
             group.clear()
 
     def _forward(self, m, layer, x, *args, **kwargs):
+        if not torch.compiler.is_compiling() and self.owner != threading.get_ident():
+            return self._original[m](x, *args, **kwargs)  # another thread's call: the layer as it was
         # PEFT's generate() hooks inject adapter_names into every LoRA layer; under installed()
         # the rows' adapters come from set_batch instead.
         kwargs.pop("adapter_names", None)
         out = m.base_layer(x, *args, **kwargs)
-        meta = self._meta
-        if meta is None or meta.no_lora or layer is None or m._disable_adapters:
+        if layer is None or not self._metas and self._rows is None:
             return out
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] != meta.token_slots.shape[0]:
-            raise ValueError(
-                f"set_batch described {meta.token_slots.shape[0]} tokens but a LoRA layer got {x2.shape[0]}"
-            )
-        y = self._shrink(layer, x, x2, meta)
-        self.ops.lora_expand(out.view(-1, out.shape[-1]), y, layer.B, meta)
+        x2 = x.reshape(-1, x.shape[-1])  # tokens in row order: row b's tokens are consecutive
+        meta = self._meta_for(x2.shape[0])
+        if meta is None or meta.no_lora:
+            return out
+        y = self._shrink(layer, x, x2.to(self.dtype), meta)
+        self.ops.lora_expand(out.view(-1, out.shape[-1]), y, layer.B, meta, round_delta=self.round_delta)
         return out
 
     @contextlib.contextmanager
     def installed(self):
-        """Route every LoRA layer's forward through base_layer(x) + bank delta; restore on exit."""
+        """Route every LoRA layer's forward through base_layer(x) + bank delta for this thread;
+        restore on exit."""
         saved = []
+        self.owner = threading.get_ident()
+        self._original = {m: m.forward for _, m in self.modules}
         try:
             for _, m in self.modules:
                 saved.append((m, m.__dict__.get("forward")))
@@ -237,17 +281,16 @@ class AdapterBank:
                     del m.forward
                 else:
                     m.forward = previous
-            self._meta = None
-            for group in self.groups:
-                group.clear()  # drop the references to the last inputs
+            self.owner = None
+            self._rows, self._metas = None, {}
+            self._clear_groups()  # drop the references to the last inputs
 
 
 def get_bank(model) -> AdapterBank:
-    """The model's adapter bank, built on first use and cached on the model; synced every call."""
-    bank = model.__dict__.get(_BANK_ATTR)
-    if bank is None:
-        bank = AdapterBank(model)
-        model.__dict__[_BANK_ATTR] = bank
+    """The model's adapter bank, built on first use and kept in the model's state; synced every call."""
+    state = state_of(model)
+    if state.bank is None:
+        state.bank = AdapterBank(model)
     else:
-        bank.sync()
-    return bank
+        state.bank.sync()
+    return state.bank

@@ -1,9 +1,9 @@
 """The InvisibleLoRA decoding loop: prefill, then cycles of draft -> verify -> accept -> commit.
 
-Token buffer ``tokens`` [B, P + max_new + K + 1]: the (left-padded) prompt at 0..P-1, then each
-row's generated tokens; ``gen[b]`` of them are committed. Cache slot j holds token j's key/value
-(see cache.py), so the last committed token ``tokens[b, P + gen[b] - 1]`` is the only committed
-token not yet in the cache, and it is where each cycle starts:
+``Rows.tokens`` [B, W]: slot j of row b holds token j of that row (layout.py): the prompt at
+0..P-1, then the row's generated tokens, ``gen[b]`` of them committed. Cache slot j holds token
+j's key/value (cache.py), so the last committed token ``tokens[b, P + gen[b] - 1]`` is the only
+committed token not yet cached, and it is where each cycle starts:
 
     draft   (LoRA off, k passes of 1 token): d_1..d_k written to tokens[P+gen .. P+gen+k-1]
             and their speculative KV to the same slots - 1
@@ -13,79 +13,92 @@ token not yet in the cache, and it is where each cycle starts:
     commit  cut at EOS / stopping criteria / max length; gen += kept
 
 The host learns each row's counts once per cycle (one device sync); everything else is batched.
-Passes go through a forward object: ``EagerForward`` here, or ``compiled.CompiledForward`` (fixed
-shapes, compiled per bucket), with the same call.
+Passes go through a forward object (forward.py): ``fwd(ids, start, kv_len, keep, lora_on)``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import accept_greedy, accept_sampling, sample
-from .cache import HybridCache, model_pass
-from .gate import Gate, PassTimer
-from .ragged import first_stop, process_scores, split_criteria
+from .gate import Gate
+from .processors import first_stop, process_scores, split_criteria
 from .stats import DecodingStats
 
 
 @dataclass
-class InvisibleLoRAOutput(GenerateDecoderOnlyOutput):
-    """``generate(..., return_dict_in_generate=True)`` output: ``sequences`` plus ``stats``."""
+class Rows:
+    """The rows of one call: their tokens and how far each has got.
 
-    stats: DecodingStats | None = None
+    ``gen`` / ``done`` live on the device for batched ops; ``gen_h`` / ``done_h`` are their host
+    copies, refreshed by the cycle's one sync. ``stop_at[b]``: the number of tokens at which a
+    stopping criterion stopped row b when finished rows are not frozen (no EOS: standard decoding
+    then keeps generating real tokens for them until every row has stopped).
+    """
+
+    tokens: torch.Tensor
+    prompt_len: int
+    max_new: int
+    gen: torch.Tensor
+    done: torch.Tensor
+    gen_h: list
+    done_h: list
+    stop_at: list
+
+    @classmethod
+    def start(cls, input_ids: torch.Tensor, max_new: int, width: int, pad_id: int) -> "Rows":
+        b, p = input_ids.shape
+        tokens = input_ids.new_full((b, width), pad_id, dtype=torch.long)
+        tokens[:, :p] = input_ids
+        gen = tokens.new_zeros(b)
+        return cls(tokens, p, max_new, gen, torch.zeros(b, dtype=torch.bool, device=tokens.device), [0] * b,
+                   [False] * b, [None] * b)
+
+    @property
+    def active(self) -> list[int]:
+        return [r for r, d in enumerate(self.done_h) if not d]
+
+    def ends(self) -> torch.Tensor:
+        """[B] slot after each row's last committed token."""
+        return self.prompt_len + self.gen
 
 
-class EagerForward:
-    """Passes as they come: the batch as it is, attending to the first ``kv_len`` cache slots."""
-
-    builds = 0  # passes compiled during the call: none
-
-    def __init__(self, model, lora, pad, max_len: int):
-        self.model, self.lora = model, lora
-        self.cache = HybridCache(model.config, pad, max_len)
-
-    def __call__(self, ids, start, kv_len: int, keep: int, lora_on: bool = True):
-        """One pass over ``ids`` [B, q] written at cache slots ``start`` [B]..; logits [B, keep, V]."""
-        if lora_on:
-            self.lora.on(ids.shape[1])
-        else:
-            self.lora.off()
-        return model_pass(self.model, self.cache, ids, start, kv_len, keep)
-
-
-def draft(fwd, tokens, gen, gen_h, prompt_len, k, processors, do_sample, generator):
+def draft(fwd, rows: Rows, k: int, processors, do_sample: bool, generator):
     """k LoRA-off passes of one token per row; returns drafts [B, k] and their probabilities [B, k, V] (sampling).
 
-    Each draft is written into ``tokens`` at once: the next draft step and the logits processors read it there.
+    Each draft is written into ``rows.tokens`` at once: the next draft step and the processors read it there.
     """
-    last = prompt_len + gen - 1
-    x = tokens.gather(1, last[:, None])
+    last = rows.ends() - 1
+    x = rows.tokens.gather(1, last[:, None])
     drafts, probs = [], []
     for j in range(k):
-        logits = fwd(x, last + j, prompt_len + max(gen_h) + j, keep=1, lora_on=False)
-        scores = process_scores(processors, tokens, [prompt_len + g + j for g in gen_h], logits)[:, 0]
+        logits = fwd(x, last + j, rows.prompt_len + max(rows.gen_h) + j, keep=1, lora_on=False)
+        lengths = [rows.prompt_len + g + j for g in rows.gen_h]
+        scores = process_scores(processors, rows.tokens, lengths, logits, rows.active)[:, 0]
         if do_sample:
             d, q = sample(scores, generator)
             probs.append(q)
         else:
             d = scores.argmax(-1)
-        tokens.scatter_(1, (prompt_len + gen + j)[:, None], d[:, None])
+        rows.tokens.scatter_(1, (last + 1 + j)[:, None], d[:, None])
         drafts.append(d)
         x = d[:, None]
     if not drafts:  # k = 0: a plain step follows
-        return tokens.new_zeros(tokens.shape[0], 0), None
+        return rows.tokens.new_zeros(rows.tokens.shape[0], 0), None
     return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
 
 
-def verify(fwd, tokens, gen, gen_h, prompt_len, k, processors):
+def verify(fwd, rows: Rows, k: int, processors):
     """One LoRA-on pass over [last, d_1..d_k] per row; returns processed target scores [B, k+1, V]."""
-    start = prompt_len + gen - 1
-    ids = tokens.gather(1, start[:, None] + torch.arange(k + 1, device=tokens.device))
-    logits = fwd(ids, start, prompt_len + max(gen_h) + k, keep=k + 1)
-    return process_scores(processors, tokens, [prompt_len + g for g in gen_h], logits)
+    start = rows.ends() - 1
+    ids = rows.tokens.gather(1, start[:, None] + torch.arange(k + 1, device=start.device))
+    logits = fwd(ids, start, rows.prompt_len + max(rows.gen_h) + k, keep=k + 1)
+    lengths = [rows.prompt_len + g for g in rows.gen_h]
+    return process_scores(processors, rows.tokens, lengths, logits, rows.active)
 
 
 def accept(drafts, draft_probs, target_scores, do_sample, generator):
@@ -94,36 +107,55 @@ def accept(drafts, draft_probs, target_scores, do_sample, generator):
     return accept_greedy(drafts, target_scores)
 
 
-def commit(tokens, gen, done, n, next_token, k, prompt_len, max_new, eos, criteria, pad_id):
+def commit(rows: Rows, n, next_token, k: int, eos, criteria, freeze: bool):
     """Append each active row's accepted drafts + next token, cut at EOS / stopping criteria / max length.
 
-    Returns (kept [B], done [B], and kept, done, n as host lists): the host learns them here,
-    the cycle's one device sync (two when stopping criteria beyond EOS / max length are set).
+    ``freeze``: a stopped row is finished (its later tokens are padding), as in standard decoding
+    when an EOS token is set; otherwise it keeps generating until every row has stopped.
+    Returns the host lists (kept per row, accepted drafts per row): the cycle's one device sync
+    (two when stopping criteria beyond EOS / max length are set).
     """
-    tokens.scatter_(1, (prompt_len + gen + n)[:, None], next_token[:, None])
-    kept = torch.where(done, 0, n + 1).clamp_(max=max_new - gen)
+    tokens, p, gen = rows.tokens, rows.prompt_len, rows.gen
+    tokens.scatter_(1, (p + gen + n)[:, None], next_token[:, None])
+    kept = torch.where(rows.done, 0, n + 1).clamp_(max=rows.max_new - gen)
+    stopped = torch.zeros_like(rows.done)
     if eos is not None:
         offsets = torch.arange(k + 1, device=tokens.device)
-        new = tokens.gather(1, prompt_len + gen[:, None] + offsets)
+        new = tokens.gather(1, p + gen[:, None] + offsets)
         is_eos = torch.isin(new, eos) & (offsets < kept[:, None])
-        hit = is_eos.any(1)
-        kept = torch.where(hit, is_eos.long().argmax(1) + 1, kept)
-        done = done | hit
-    done = done | (gen + kept >= max_new)
-    kept_h, done_h, n_h = torch.stack([kept, done.long(), n]).tolist()
+        stopped = is_eos.any(1)
+        kept = torch.where(stopped, is_eos.long().argmax(1) + 1, kept)
+    kept_h, stopped_h, n_h = torch.stack([kept, stopped.long(), n]).tolist()
     if criteria:
-        kept, stopped = first_stop(criteria, tokens, prompt_len + gen + kept, kept_h, pad_id)
-        done = done | stopped
-        kept_h, done_h = torch.stack([kept, done.long()]).tolist()
-    return kept, done, kept_h, done_h, n_h
+        for r, s in enumerate(first_stop(criteria, tokens, p, rows.gen_h, kept_h)):
+            if s is not None:
+                kept_h[r], stopped_h[r] = s, 1
+    for r in range(len(kept_h)):
+        rows.gen_h[r] += kept_h[r]
+        if stopped_h[r] and rows.stop_at[r] is None:
+            rows.stop_at[r] = rows.gen_h[r]
+    if freeze or None in rows.stop_at:
+        limit = [rows.max_new] * len(kept_h)
+    else:  # every row has stopped: all generate up to the last one's stop, as standard decoding does
+        limit = [max(rows.stop_at)] * len(kept_h)
+    rows.done_h = [g >= lim or bool(freeze and s is not None) for g, lim, s in zip(rows.gen_h, limit, rows.stop_at)]
+    rows.gen = torch.tensor(rows.gen_h, device=tokens.device)
+    rows.done = torch.tensor(rows.done_h, device=tokens.device)
+    return kept_h, n_h
 
 
-def run(input_ids, attention_mask, new_forward, processors, stopping_criteria, config, *, max_draft_tokens,
-        gate: Gate, streamer=None, generator=None, stats: DecodingStats):
-    """Decode ``input_ids`` [B, P] (left-padded) to ``config.max_length``; returns sequences [B, P + new].
+def output_length(rows: Rows, freeze: bool) -> int:
+    """New tokens in the output: as many as standard decoding's steps."""
+    if not freeze and None not in rows.stop_at:
+        return min(max(rows.stop_at), rows.max_new)
+    return max(rows.gen_h)
 
-    ``new_forward(pad, max_len)`` makes the forward object (EagerForward's call) for a cache of
-    ``max_len`` slots per row with ``pad`` [B] left padding.
+
+def run(input_ids, fwd, processors, stopping_criteria, config, *, max_draft_tokens: int, gate: Gate,
+        streamer=None, generator=None, stats: DecodingStats, recompute=None) -> tuple[torch.Tensor, Rows]:
+    """Decode ``input_ids`` [B, P] to ``config.max_length``; returns (sequences [B, P + new], rows).
+
+    ``recompute``: a rotary.Recompute when standard decoding recomputes its cache at some slot.
     """
     b, prompt_len = input_ids.shape
     device = input_ids.device
@@ -132,57 +164,86 @@ def run(input_ids, attention_mask, new_forward, processors, stopping_criteria, c
     pad_id = int(config._pad_token_tensor) if config._pad_token_tensor is not None else 0
     eos = config._eos_token_tensor
     eos = eos.reshape(-1).to(device) if eos is not None else None
+    freeze = eos is not None  # standard decoding pads finished rows only when an EOS criterion exists
     criteria = split_criteria(stopping_criteria)
-    pad = (attention_mask == 0).sum(1) if attention_mask is not None else input_ids.new_zeros(b)
-
-    tokens = input_ids.new_full((b, prompt_len + max_new + max_draft_tokens + 1), pad_id)
-    tokens[:, :prompt_len] = input_ids
-    fwd = new_forward(pad, prompt_len + max_new + max_draft_tokens)
-    builds = fwd.builds
-    gen = input_ids.new_zeros(b)
-    done = torch.zeros(b, dtype=torch.bool, device=device)
-    drafted, accepted, row_cycles = gen.clone(), gen.clone(), gen.clone()
-    gen_h, done_h = [0] * b, [False] * b
+    rows = Rows.start(input_ids, max_new, prompt_len + max_new + max_draft_tokens + 1, pad_id)
+    drafted, accepted, row_cycles = [0] * b, [0] * b, [0] * b
     timer = PassTimer(device)
 
     # Prefill: the prompt with LoRA on; its last position gives the first token (a verify of k = 0).
-    logits = fwd(input_ids, input_ids.new_zeros(b), prompt_len, keep=1)
-    scores = process_scores(processors, tokens, [prompt_len] * b, logits)
-    drafts, draft_probs, k = tokens.new_zeros(b, 0), None, 0
+    logits = fwd(input_ids, input_ids.new_zeros(b), prompt_len, keep=1, prefix=prompt_len)
+    scores = process_scores(processors, rows.tokens, [prompt_len] * b, logits)
+    drafts, draft_probs, k = rows.tokens.new_zeros(b, 0), None, 0
+    builds = fwd.builds
     while True:
         n, next_token = accept(drafts, draft_probs, scores, do_sample, generator)
-        active, active_h = ~done, [not d for d in done_h]
-        drafted += active * k
-        row_cycles += active
-        accepted += active * n
-        kept, done, kept_h, done_h, n_h = commit(
-            tokens, gen, done, n, next_token, k, prompt_len, max_new, eos, criteria, pad_id
-        )
+        if recompute is not None:
+            n, next_token = recompute.cap(rows, n, next_token, drafts)
+        active = rows.active
+        kept_h, n_h = commit(rows, n, next_token, k, eos, criteria, freeze)
+        for r in active:
+            drafted[r] += k
+            accepted[r] += n_h[r]
+            row_cycles[r] += 1
         spans = timer.collect()
         if "verify" in spans and fwd.builds == builds:  # not after the prefill, nor a pass's compilation
-            gate.observe(k, n_h, active_h, spans.get("draft"), spans["verify"])
+            gate.observe(k, n_h, [r in active for r in range(b)], spans.get("draft"), spans["verify"])
         if streamer is not None and kept_h[0]:
-            streamer.put(tokens[0, prompt_len + gen_h[0] : prompt_len + gen_h[0] + kept_h[0]].cpu())
-        gen += kept
-        gen_h = [g + c for g, c in zip(gen_h, kept_h)]
-        if all(done_h):
+            end = prompt_len + rows.gen_h[0]
+            streamer.put(rows.tokens[0, end - kept_h[0] : end].cpu())
+        if all(rows.done_h):
             break
 
-        k = gate.choose([0 if d else max_new - g for g, d in zip(gen_h, done_h)])
+        k = gate.choose([0 if d else max_new - g for g, d in zip(rows.gen_h, rows.done_h)])
         stats.cycles += 1
         stats.k_per_cycle.append(k)
         stats.draft_passes += k
         builds = fwd.builds
         with timer("draft"):
-            drafts, draft_probs = draft(fwd, tokens, gen, gen_h, prompt_len, k, processors, do_sample, generator)
+            drafts, draft_probs = draft(fwd, rows, k, processors, do_sample, generator)
+        if recompute is not None:
+            recompute.before_verify(fwd, rows)
         with timer("verify"):
-            scores = verify(fwd, tokens, gen, gen_h, prompt_len, k, processors)
+            scores = verify(fwd, rows, k, processors)
 
     if streamer is not None:
         streamer.end()
-    stats.drafted, stats.accepted, stats.committed = drafted.tolist(), accepted.tolist(), gen_h
-    stats.row_cycles = (row_cycles - 1).tolist()  # the prefill is not a cycle
-    stats.cache_bytes = sum(x.keys.nbytes + x.values.nbytes for x in fwd.cache.layers if x.is_initialized)
-    sequences = tokens[:, : prompt_len + max(gen_h)].clone()
-    past_end = torch.arange(sequences.shape[1], device=device) >= (prompt_len + gen)[:, None]
-    return sequences.masked_fill_(past_end, pad_id)
+    new = output_length(rows, freeze)
+    stats.drafted, stats.accepted = drafted, accepted
+    stats.committed = [min(g, new) for g in rows.gen_h]
+    stats.row_cycles = [c - 1 for c in row_cycles]  # the prefill is not a cycle
+    stats.cache_bytes = fwd.cache.nbytes
+    sequences = rows.tokens[:, : prompt_len + new].clone()
+    past_end = torch.arange(sequences.shape[1], device=device) >= (prompt_len + rows.gen)[:, None]
+    return sequences.masked_fill_(past_end, pad_id), rows
+
+
+class PassTimer:
+    """Wall time of model passes without extra device syncs: CUDA events are read after the
+    cycle's own sync (``collect``); on the CPU, passes are synchronous, so a clock is exact."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, list] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.spans[name] = [start, end]
+        else:
+            t = time.perf_counter()
+            yield
+            self.spans[name] = [t, time.perf_counter()]
+
+    def collect(self) -> dict[str, float]:
+        """Seconds per pass since the last collect (call after the cycle's device sync)."""
+        if self.cuda:
+            out = {k: s.elapsed_time(e) / 1000 for k, (s, e) in self.spans.items()}
+        else:
+            out = {k: e - s for k, (s, e) in self.spans.items()}
+        self.spans = {}
+        return out

@@ -29,15 +29,10 @@ step while drafting), with exponential backoff kept on the model, so no stale es
 from __future__ import annotations
 
 import bisect
-import contextlib
 import statistics
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
-GATE_MODES = ("auto", "always", "never")
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 4.0  # ~70-80% measured on real small-model adapters
 DECAY = 0.98  # per observed cycle: recent acceptance counts more (adapters drift with the domain)
 COST_WINDOW = 8  # a pass's cost: the median of its last 8 timings
@@ -46,13 +41,6 @@ PROBE_MAX = 1024  # decision holds, up to this (one off-decision cycle per 1024 
 MARGIN = 1.02  # draft only if it promises 2% more speed than plain steps: the estimates are noisy,
 # and a wrong "draft" costs more than a wrong "don't" (5% kept the gate from drafting where k = 1
 # measured 1.03-1.09x, with median costs and the slowest-row objective)
-
-
-def check_gate(gate: str, num_draft_tokens: int) -> None:
-    if gate not in GATE_MODES:
-        raise ValueError(f"gate must be one of {GATE_MODES}, got {gate!r}.")
-    if not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
-        raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}.")
 
 
 @dataclass
@@ -82,10 +70,6 @@ class GateMemory:
         window = self.timings.setdefault(key, deque(maxlen=COST_WINDOW))
         window.append(seconds)
         self.costs[key] = statistics.median(window)
-
-
-def memory_of(model) -> GateMemory:
-    return model.__dict__.setdefault("_invisiblelora_gate", GateMemory())
 
 
 def expected_tokens(a: float, remaining: int, k: int) -> float:
@@ -169,34 +153,3 @@ class Gate:
                     m.accepted[name] = DECAY * m.accepted.get(name, 0.0) + n
                     m.trials[name] = DECAY * m.trials.get(name, 0.0) + n + (n < k)
         m.observe_cost(("verify", self.shape, k + 1), verify_s)
-
-
-class PassTimer:
-    """Wall time of model passes without extra device syncs: CUDA events are read after the
-    cycle's own sync (``collect``); on the CPU, passes are synchronous, so a clock is exact."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.spans: dict[str, list] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self.spans[name] = [start, end]
-        else:
-            t = time.perf_counter()
-            yield
-            self.spans[name] = [t, time.perf_counter()]
-
-    def collect(self) -> dict[str, float]:
-        """Seconds per pass since the last collect (call after the cycle's device sync)."""
-        if self.cuda:
-            out = {k: s.elapsed_time(e) / 1000 for k, (s, e) in self.spans.items()}
-        else:
-            out = {k: e - s for k, (s, e) in self.spans.items()}
-        self.spans = {}
-        return out

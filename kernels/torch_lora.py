@@ -93,20 +93,29 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, meta, scale: float = 1.0) -> t
     return y if scale == 1.0 else y.mul_(scale)
 
 
-def lora_expand(out: torch.Tensor, y: torch.Tensor, B: torch.Tensor, meta) -> None:
+def lora_expand(out: torch.Tensor, y: torch.Tensor, B: torch.Tensor, meta, round_delta: bool = True) -> None:
     """Semantics:
         for i in range(n):                       # n = meta.num_lora_tokens
             t = meta.sorted_tokens[i]
-            out[t] += y[i] @ B[meta.token_slots[t]].T
+            delta = y[i] @ B[meta.token_slots[t]].T                      # in B's dtype
+            out[t] = out[t] + delta.to(out.dtype)     if round_delta     # PEFT, mixed batch
+                     (out[t].to(B.dtype) + delta).to(out.dtype) else    # PEFT, one adapter
     out: [T, O] (updated in place); y: [n, R] from lora_shrink (B's dtype); B: [S, O, R].
     """
-    if meta.static:
-        out.index_add_(0, meta.sorted_tokens, segment_mm(y, B.transpose(1, 2), meta.offsets))
+    if meta.static:  # every token, sorted by slot; no-LoRA tokens get a zero delta
+        idx, delta = meta.sorted_tokens, segment_mm(y, B.transpose(1, 2), meta.offsets)
+    elif meta.no_lora:
         return
-    if meta.no_lora:
-        return
-    delta = _active_mm(y, B, meta)
-    if meta.lora_range is not None:
-        out[meta.lora_range[0] : meta.lora_range[1]].add_(delta)  # not +=, which copies the slice back
     else:
-        out.index_add_(0, meta.sorted_tokens[: meta.num_lora_tokens], delta)
+        idx, delta = meta.sorted_tokens[: meta.num_lora_tokens], _active_mm(y, B, meta)
+        if meta.lora_range is not None:  # the LoRA tokens are one slice of out: no gather or scatter
+            rows = out[meta.lora_range[0] : meta.lora_range[1]]
+            if round_delta or delta.dtype == out.dtype:
+                rows.add_(delta.to(out.dtype))  # not +=, which copies the slice back
+            else:
+                rows.copy_(rows.to(delta.dtype) + delta)
+            return
+    if round_delta or delta.dtype == out.dtype:
+        out.index_add_(0, idx, delta.to(out.dtype))
+    else:
+        out.index_copy_(0, idx, out.index_select(0, idx).to(delta.dtype) + delta)

@@ -67,9 +67,11 @@ def _expand_kernel(
     y, w, out, sorted_tokens, slot_counts, slot_starts, R, O,
     stride_yt, stride_yr, stride_ws, stride_wo, stride_wr, stride_ot, stride_oo,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    ROUND_DELTA: tl.constexpr,
 ):
     """Semantics (one program = BLOCK_M tokens of slot s x BLOCK_N output columns):
         for i in tile(segment of s): out[sorted_tokens[i], cols] += sum_r y[i, r] * w[s, cols, r]
+    (the sum rounded to out's dtype before the add if ROUND_DELTA, else added in fp32).
     Every (token, column) belongs to exactly one program, so the read-modify-write needs no atomics.
     """
     slot = tl.program_id(1)
@@ -94,7 +96,11 @@ def _expand_kernel(
             acc += tl.dot(a.to(b.dtype), b)
     ptrs = out + tokens[:, None] * stride_ot + cols[None, :] * stride_oo
     mask = m_mask[:, None] & n_mask[None, :]
-    tl.store(ptrs, (tl.load(ptrs, mask=mask) + acc).to(out.dtype.element_ty), mask=mask)
+    if ROUND_DELTA:  # PEFT's mixed batch: the delta in the output's dtype, then added
+        new = tl.load(ptrs, mask=mask) + acc.to(out.dtype.element_ty)
+    else:  # PEFT with one adapter: added in fp32, then rounded
+        new = tl.load(ptrs, mask=mask).to(tl.float32) + acc
+    tl.store(ptrs, new.to(out.dtype.element_ty), mask=mask)
 
 
 def lora_shrink(x: torch.Tensor, A: torch.Tensor, meta, scale: float = 1.0) -> torch.Tensor:
@@ -119,7 +125,7 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, meta, scale: float = 1.0) -> t
     return y
 
 
-def lora_expand(out: torch.Tensor, y: torch.Tensor, B: torch.Tensor, meta) -> None:
+def lora_expand(out: torch.Tensor, y: torch.Tensor, B: torch.Tensor, meta, round_delta: bool = True) -> None:
     """Semantics:
         for i in range(n):                       # n = meta.num_lora_tokens
             t = meta.sorted_tokens[i]
@@ -136,4 +142,5 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, B: torch.Tensor, meta) -> No
         y, B, out, meta.sorted_tokens, meta.slot_counts, meta.slot_starts, R, O,
         y.stride(0), y.stride(1), B.stride(0), B.stride(1), B.stride(2), out.stride(0), out.stride(1),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=B.dtype == torch.float32,
+        ROUND_DELTA=round_delta,
     )

@@ -5,7 +5,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from hf_invisiblelora.bank import AdapterBank, get_bank
+from hf_invisiblelora.bank import get_bank
+from hf_invisiblelora.checks import check_model
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=101)
@@ -41,7 +42,7 @@ def peft_logits(pm, ids, names):
 def bank_logits(pm, ids, names):
     bank = get_bank(pm)
     with torch.no_grad(), bank.installed():
-        bank.set_batch(bank.slots(names) if names is not None else None, ids.shape[1])
+        bank.set_batch(bank.slots(names) if names is not None else None)
         return pm(ids).logits
 
 
@@ -76,17 +77,17 @@ def test_cache_survives_draft_passes_and_batches_change():
     bank = get_bank(pm)
     ids = torch.randint(0, TINY["vocab_size"], (2, 1))
     with torch.no_grad(), bank.installed():
-        bank.set_batch(bank.slots(["math", "code"]), 1)
-        first = bank._meta
+        bank.set_batch(bank.slots(["math", "code"]))
         pm(ids)
-        bank.set_batch(None, 1)  # a draft pass
+        first = bank._meta_for(2)
+        bank.set_batch(None)  # a draft pass
         pm(ids)
-        bank.set_batch(bank.slots(["__base__", "__base__"]), 1)
+        bank.set_batch(bank.slots(["__base__", "__base__"]))
         pm(ids)
-        bank.set_batch(bank.slots(["code", "math"]), 1)
-        assert bank._meta.cache is first.cache
+        bank.set_batch(bank.slots(["code", "math"]))
+        assert bank._meta_for(2).cache is first.cache
         assert_same(pm(ids).logits, peft_logits(pm, ids, ["code", "math"]))
-        bank.set_batch(bank.slots(["chat", "math"]), 1)
+        bank.set_batch(bank.slots(["chat", "math"]))
         assert_same(pm(ids).logits, peft_logits(pm, ids, ["chat", "math"]))
 
 
@@ -95,7 +96,8 @@ def test_get_bank_follows_add_delete_and_scale():
     ids = torch.randint(0, TINY["vocab_size"], (3, 2))
     bank = get_bank(pm)
     assert bank.adapter_names == ["math", "code"]
-    assert get_bank(pm) is bank and get_bank(pm)._signature is bank._signature  # no rebuild
+    version = bank.version
+    assert get_bank(pm) is bank and bank.version == version  # no rebuild
 
     pm.add_adapter("chat", LoraConfig(r=2, lora_alpha=3, target_modules="all-linear", init_lora_weights=False))
     names = ["chat", "math", "code"]
@@ -110,8 +112,7 @@ def test_get_bank_follows_add_delete_and_scale():
     pm.delete_adapter("code")
     names = ["chat", "math", "chat"]
     assert_same(bank_logits(pm, ids, names), peft_logits(pm, ids, names))
-    with pytest.raises(ValueError, match=r"unknown adapter\(s\) \['code'\].*\['math', 'chat'\]"):
-        get_bank(pm).slots(["code"])
+    assert get_bank(pm).adapter_names == ["math", "chat"]
 
 
 def test_in_place_weight_update_is_picked_up():
@@ -130,32 +131,32 @@ def test_installed_restores_forwards_even_on_error():
     with pytest.raises(RuntimeError, match="boom"), bank.installed():
         assert "forward" in layer.__dict__
         raise RuntimeError("boom")
-    assert "forward" not in layer.__dict__ and bank._meta is None
+    assert "forward" not in layer.__dict__ and bank._rows is None and not bank._metas
 
 
-def test_wrong_token_count_is_reported():
+def test_an_input_that_is_not_the_batch_tokens_is_reported():
     pm = build(adapters={"math": ADAPTERS["math"]})
     bank = get_bank(pm)
-    with torch.no_grad(), bank.installed(), pytest.raises(ValueError, match="set_batch described 4 tokens"):
-        bank.set_batch(bank.slots(["math", "math"]), 2)
-        pm(torch.zeros(2, 3, dtype=torch.long))
+    with torch.no_grad(), bank.installed(), pytest.raises(ValueError, match="got 5 tokens for 2 rows"):
+        bank.set_batch(bank.slots(["math", "math"]))
+        pm.base_model.model.model.layers[0].self_attn.q_proj(torch.zeros(5, TINY["hidden_size"], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("config, problem", [
     (LoraConfig(r=4, target_modules=["q_proj"], use_dora=True), "LoRA variant"),
     (LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True), "lora_bias"),
-    (LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]), "supports only"),
+    (LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]), "Linear layers"),
 ])
 def test_unsupported_layers_are_refused(config, problem):
     with pytest.raises(ValueError, match=problem):
-        AdapterBank(build(adapters={"math": config}))
+        check_model(build(adapters={"math": config}))
 
 
 def test_merged_adapters_are_refused():
     pm = build(adapters={"math": ADAPTERS["math"]})
     pm.merge_adapter()
     with pytest.raises(ValueError, match="merged"):
-        AdapterBank(pm)
+        check_model(pm)
 
 
 def test_siblings_share_one_shrink_only_for_the_same_input(monkeypatch):
@@ -176,7 +177,7 @@ def test_siblings_share_one_shrink_only_for_the_same_input(monkeypatch):
     with torch.no_grad():
         expected = attn.q_proj(x1, adapter_names=names), attn.k_proj(x2, adapter_names=names)
         with bank.installed():
-            bank.set_batch(bank.slots(names), 3)
+            bank.set_batch(bank.slots(names))
             got = attn.q_proj(x1), attn.k_proj(x2)
     assert_same(got[0], expected[0])
     assert_same(got[1], expected[1])
@@ -201,7 +202,7 @@ def test_greedy_decoding_matches_peft():
         bank = get_bank(pm)
         with bank.installed():
             def bank_step(ids, cache):
-                bank.set_batch(bank.slots(names), ids.shape[1])
+                bank.set_batch(bank.slots(names))
                 return pm(ids, cache=cache, use_cache=True)
             got = greedy(bank_step)
     assert torch.equal(got, expected)

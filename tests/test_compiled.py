@@ -9,8 +9,9 @@ import torch
 from peft.tuners.lora.layer import LoraLayer
 from torch._dynamo.utils import counters
 
-from hf_invisiblelora import compiled
+from hf_invisiblelora import forward as compiled
 from hf_invisiblelora.bank import get_bank
+from hf_invisiblelora.state import state_of
 from tiny import prompts, tiny_peft
 
 ROWS = ["a", "b", "__base__", "c", "d", "a", "b"]  # 7 rows: padded to a bucket of 8
@@ -84,10 +85,10 @@ def test_compile_options(model):
     with pytest.raises(ValueError, match="only apply with invisible_lora=True"):
         generate(model, ids, mask, ["a", "b"], compile=True)
     # "auto" on the CPU stays eager: nothing is kept on the model.
-    compiled.clear(model)
+    state_of(model).clear()
     generate(model, ids, mask, ["a", "b"], invisible_lora=True)
-    assert not model.__dict__.get("_invisiblelora_compiled")
-    assert get_bank(model)._meta is None
+    assert not state_of(model).buckets
+    assert get_bank(model)._rows is None and not get_bank(model)._metas
 
 
 def test_sliding_window_model_compiled():

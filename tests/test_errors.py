@@ -6,7 +6,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_invisiblelora
-from hf_invisiblelora.adapters import lora_layers
+from hf_invisiblelora.checks import lora_layers
 from tiny import ARCHS, prompts, tiny_peft
 
 IDS, MASK = prompts([3, 5])
@@ -107,7 +107,7 @@ def test_dora_refused():
 def test_embedding_lora_refused():
     base = ARCHS["llama"](64).double().eval()
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]), adapter_name="a").eval()
-    with pytest.raises(ValueError, match="Linear layers only"):
+    with pytest.raises(ValueError, match="LoRA on Linear layers"):
         model.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=3, invisible_lora=True)
 
 

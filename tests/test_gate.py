@@ -5,7 +5,8 @@ import time
 import pytest
 import torch
 
-from hf_invisiblelora.gate import COST_WINDOW, MARGIN, PROBE_AFTER, Gate, GateMemory, PassTimer, expected_tokens
+from hf_invisiblelora.decoding import PassTimer
+from hf_invisiblelora.gate import COST_WINDOW, MARGIN, PROBE_AFTER, Gate, GateMemory, expected_tokens
 
 K = 4
 ROWS = ["x", "y", "x", "__base__"]

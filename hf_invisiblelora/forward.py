@@ -1,20 +1,29 @@
-"""Fixed-shape passes, compiled once per bucket and kept on the model.
+"""Forward objects: how the decoding loop runs a model pass.
 
-Per decode step the model runs ~210 LoRA layers of small ops: on a CPU their dispatch dominates,
-on a GPU their launches. Compiling removes both, but only if a pass's shapes never change while
-decoding. So in compiled mode every pass has fixed shapes:
+One protocol, two implementations:
+
+    fwd(ids, start, kv_len, keep, lora_on=True, prefix=None, rows=None) -> logits [b, keep, V]
+        one pass over ``ids`` [b, q], row b's tokens written at cache slots start[b] .. start[b]+q-1,
+        attending to the first ``kv_len`` slots, LoRA on (each row its adapter) or off (the drafter);
+        ``prefix``: the pass computes the first slots as standard decoding's one call over ``prefix``
+        slots did (the prompt's pass: P); ``rows``: the rows it runs, if not all (eager only)
+    fwd.cache   the shared KV cache (cache.py)
+    fwd.builds  passes compiled or captured during this call (their timings are not steady state)
+
+``EagerForward`` runs each pass as it comes. ``CompiledForward`` gives every pass fixed shapes and
+compiles it once per bucket:
 
 - rows padded to a bucket (1, 2, 4, ..., 64, then multiples of 64); padded rows decode pad tokens
   with no adapter and are dropped from the logits;
 - the cache length padded to a bucket (powers of two from 64, then multiples of 1024), and every
-  pass attends over all of it (the mask hides what a row may not see);
-- adapter metadata of fixed size (``kernels.make_meta(static=True)``), in buffers updated in place.
+  pass attends over all of it (the masks hide what a row may not see);
+- adapter metadata of fixed size (``kernels.make_meta(static=True)``), masks and position ids in
+  per-bucket buffers updated in place.
 
-A bucket's state (cache, input buffers, metadata, compiled passes) lives on the model, so later
-generate calls with the same bucket reuse it without compiling. The kinds of pass are draft (LoRA
-off, 1 token per row), plain (LoRA on, 1 token) and verify (LoRA on, 2..K+1 tokens); each is
-compiled the first time it runs. The prefill (as many tokens as the prompt) runs eagerly.
-
+A bucket's state (cache, buffers, compiled passes) lives on the model, so later calls with the
+same bucket reuse it without compiling. Pass kinds: draft (LoRA off, 1 token per row), plain
+(LoRA on, 1 token) and verify (LoRA on, 2..K+1 tokens), each compiled the first time it runs;
+the prefill (as many tokens as the prompt) runs eagerly on the same fixed shapes.
 Backends: "inductor" (``torch.compile``, the CPU) or "cuda_graphs" (each pass captured with
 ``torch.cuda.CUDAGraph`` on its first run and replayed after: no compiler, no kernel launches).
 """
@@ -29,11 +38,26 @@ import types
 import torch
 
 from . import kernels
-from .cache import HybridCache, model_pass
+from .cache import SharedCache, model_pass
+from .layout import RowLayout
 
 logger = logging.getLogger("hf_invisiblelora")
-_ATTR = "_invisiblelora_compiled"
 COMPILE_OPTIONS = ("auto", True, False)
+
+
+class EagerForward:
+    """Passes as they come: the batch as it is, attending to the first ``kv_len`` cache slots."""
+
+    builds = 0
+
+    def __init__(self, model, lora, layout: RowLayout):
+        self.model, self.lora, self.layout = model, lora, layout
+        self.cache = SharedCache(model.config, layout.width)
+
+    def __call__(self, ids, start, kv_len: int, keep: int, lora_on: bool = True, prefix=None, rows=None):
+        self.lora.on(rows) if lora_on else self.lora.off()
+        masks, position_ids = self.layout.begin_pass(start, ids.shape[1], kv_len, prefix, rows)
+        return model_pass(self.model, self.cache, masks, position_ids, ids, start, kv_len, keep, rows)
 
 
 def backend_for(option, device: torch.device, dtype: torch.dtype, lora_backend: str) -> str | None:
@@ -69,18 +93,14 @@ def length_bucket(length: int) -> int:
     return max(64, 1 << (length - 1).bit_length()) if length <= 1024 else -(-length // 1024) * 1024
 
 
-def clear(model) -> None:
-    """Drop the compiled passes and persistent buffers kept on ``model`` (the PEFT model)."""
-    model.__dict__.pop(_ATTR, None)
-
-
-class _Bucket:
+class Bucket:
     """What persists across calls for one (rows, cache length): cache, buffers, compiled passes."""
 
     def __init__(self, config, rows: int, length: int, device):
-        self.cache = HybridCache(config, torch.zeros(rows, dtype=torch.long, device=device), length)
+        self.cache = SharedCache(config, length)
         self.start = torch.zeros(rows, dtype=torch.long, device=device)
         self.ids = {}  # q -> [rows, q] input buffer
+        self.inputs = {}  # q -> (masks, position_ids) buffers
         self.metas = {}  # q -> static LoraMeta whose tensors are updated in place
         self.passes = {}  # (q, lora_on) -> callable
         self.bank_version = None  # CUDA graphs hold the bank's tensors by address: recapture on change
@@ -94,40 +114,73 @@ def _own_code(fn, tag: str):
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
-class CompiledForward:
-    """Passes with fixed shapes (see the module docstring); same call as ``decoding.EagerForward``."""
+def _padded(layout_args, rows: int):
+    """The prompt mask and positions of a batch padded to ``rows`` rows: a padded row sees its slot 0 only."""
+    mask, positions = layout_args
+    b, p = positions.shape
+    full = torch.zeros(rows, p, dtype=torch.long, device=positions.device)
+    full[b:, 0] = 1
+    full[:b] = 1 if mask is None else mask
+    pos = positions.new_zeros(rows, p)
+    pos[:b] = positions
+    return full, pos
 
-    def __init__(self, model, peft_model, lora, pad, max_len: int, backend: str, widths: range):
-        b = pad.shape[0]
+
+def _copy_into(buffer, value):
+    if isinstance(buffer, dict):
+        for k in buffer:
+            buffer[k].copy_(value[k])
+    else:
+        buffer.copy_(value)
+
+
+class CompiledForward:
+    """Passes with fixed shapes (see the module docstring); same protocol as ``EagerForward``.
+
+    ``buckets``: the model's store of Bucket objects (kept across calls).
+    """
+
+    def __init__(self, model, buckets: dict, lora, prompt_mask, positions, width: int, last_used: int,
+                 backend: str, widths: range):
+        b = positions.shape[0]
         self.model, self.bank, self.backend, self.widths = model, lora.bank, backend, widths
-        self.rows, self.length = row_bucket(b), length_bucket(max_len)
-        self.builds = 0  # passes compiled or captured during this call (their timings are not steady state)
-        store = peft_model.__dict__.setdefault(_ATTR, {})
-        key = (pad.device, model.dtype, self.rows, self.length)
-        if key not in store:
-            store[key] = _Bucket(model.config, self.rows, self.length, pad.device)
-        self.state = state = store[key]
+        self.b, self.rows, self.length = b, row_bucket(b), length_bucket(width)
+        self.builds = 0
+        key = (positions.device, model.dtype, self.rows, self.length)
+        if key not in buckets:
+            buckets[key] = Bucket(model.config, self.rows, self.length, positions.device)
+        self.state = state = buckets[key]
         if backend == "cuda_graphs" and state.bank_version != self.bank.version:
             state.passes, state.bank_version = {}, self.bank.version
         self.cache = state.cache
-        self.cache.pad.zero_()[:b] = pad
-        self.row_slots = torch.full((self.rows,), -1, dtype=torch.long, device=pad.device)
+        mask, pos = _padded((prompt_mask, positions), self.rows)
+        self.layout = RowLayout(model.config, model.dtype, mask, pos, self.length, last_used)
+        self.row_slots = torch.full((self.rows,), -1, dtype=torch.long, device=positions.device)
         self.row_slots[:b] = lora.row_slots
         self.fresh_metas = set()  # q whose metadata buffers hold this call's rows
 
-    def __call__(self, ids, start, kv_len: int, keep: int, lora_on: bool = True):
+    def __call__(self, ids, start, kv_len: int, keep: int, lora_on: bool = True, prefix=None, rows=None):
         b, q = ids.shape
         state = self.state
-        if q not in self.widths:  # the prefill: eager, on the same fixed-shape path
+        if rows is not None:
+            raise NotImplementedError("compiled passes run all rows")
+        if prefix is not None or q not in self.widths:  # eager, on the same fixed shapes
             padded = ids.new_zeros(self.rows, q)
             padded[:b] = ids
-            self.bank.set_meta(self._static_meta(q) if lora_on else None)
-            return model_pass(self.model, self.cache, padded, state.start.zero_(), self.length, keep)[:b]
+            self.bank.set_meta({self.rows * w: self._static_meta(w) for w in {q, keep}} if lora_on else None)
+            masks, position_ids = self.layout.begin_pass(state.start.zero_(), q, self.length, prefix)
+            return model_pass(self.model, self.cache, masks, position_ids, padded, state.start, self.length, keep)[:b]
         if q not in state.ids:
             state.ids[q] = ids.new_zeros(self.rows, q)
         state.ids[q][:b] = ids
         state.start[:b] = start
-        self.bank.set_meta(self._meta(q) if lora_on else None)
+        masks, position_ids = self.layout.begin_pass(state.start, q, self.length)
+        if q not in state.inputs:
+            state.inputs[q] = (masks, position_ids)
+        else:
+            _copy_into(state.inputs[q][0], masks)
+            state.inputs[q][1].copy_(position_ids)
+        self.bank.set_meta({self.rows * q: self._meta(q)} if lora_on else None)
         fn = state.passes.get((q, lora_on))
         if fn is None:
             return self._build(q, lora_on)[:b, q - keep:]
@@ -152,7 +205,8 @@ class CompiledForward:
     def _build(self, q: int, lora_on: bool):
         """Compile or capture the (q, lora_on) pass, run it once for this step; returns its logits."""
         state, kind = self.state, ("verify" if q > 1 else "plain") if lora_on else "draft"
-        args = (self.model, self.cache, state.ids[q], state.start, self.length, q)
+        masks, position_ids = state.inputs[q]
+        args = (self.model, self.cache, masks, position_ids, state.ids[q], state.start, self.length, q)
         t = time.perf_counter()
         if self.backend == "inductor":
             fn = torch.compile(_own_code(model_pass, f"{kind}_{self.rows}x{q}"), fullgraph=True, dynamic=False)

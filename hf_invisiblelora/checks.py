@@ -1,0 +1,186 @@
+"""The one validation step: everything InvisibleLoRA cannot serve is refused here, before anything
+changes, with a ValueError naming the problem and what to do.
+
+``check_model`` runs before generate()'s preparation, ``check_call`` after it (on the generation
+config, processors and model inputs generate() built), both before the model is touched.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Sequence
+
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer
+from peft.tuners.lora.layer import Linear as LoraLinear
+from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.generation import logits_process as lp
+from transformers.generation.configuration_utils import GenerationMode
+
+from .cache import ATTENTION_LAYERS
+from .layout import ATTENTION
+from .rotary import length_dependent
+
+BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
+GATE_MODES = ("auto", "always", "never")
+LORA_BACKENDS = ("bank", "peft")
+COMPILE_OPTIONS = ("auto", True, False)
+_UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+# Model inputs generate() hands over that decoding itself provides or that need no handling.
+_MODEL_INPUTS = ("attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep")
+
+
+def check_options(gate, num_draft_tokens, lora_backend, compile) -> None:
+    if gate not in GATE_MODES:
+        raise ValueError(f"gate must be one of {GATE_MODES}, got {gate!r}.")
+    if not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool) or num_draft_tokens < 0:
+        raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}.")
+    if lora_backend not in LORA_BACKENDS:
+        raise ValueError(f"lora_backend must be one of {list(LORA_BACKENDS)}, got {lora_backend!r}.")
+    if compile not in COMPILE_OPTIONS:
+        raise ValueError(f"compile must be one of {COMPILE_OPTIONS}, got {compile!r}.")
+
+
+def lora_layers(model) -> list:
+    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+
+
+def check_model(model) -> None:
+    """The model and its adapters: PEFT LoRA on linear layers, unmerged, in eval mode, on an
+    architecture whose attention, positions and cache InvisibleLoRA can drive per row."""
+    if not isinstance(model, PeftModel):
+        raise ValueError(
+            f"invisible_lora needs a PEFT model with LoRA adapters, got {type(model).__name__}. "
+            "Wrap it with peft.get_peft_model(model, LoraConfig(...)) or PeftModel.from_pretrained(model, path)."
+        )
+    not_lora = {n: c.peft_type.value for n, c in model.peft_config.items() if c.peft_type.value != "LORA"}
+    if not_lora:
+        raise ValueError(f"invisible_lora serves LoRA adapters only; these are not LoRA: {not_lora}.")
+    if BASE in model.peft_config:
+        raise ValueError(f"An adapter is named {BASE!r}, PEFT's name for 'no adapter'; rename it.")
+    if model.training:
+        raise ValueError("invisible_lora decodes in inference mode: call model.eval() first (dropout must be off).")
+    for name, cfg in model.peft_config.items():
+        if getattr(cfg, "modules_to_save", None) or getattr(cfg, "trainable_token_indices", None):
+            raise ValueError(
+                f"Adapter {name!r} trains whole modules (modules_to_save / trainable_token_indices), which "
+                "invisible_lora cannot switch off for drafting. Serve it with plain generate()."
+            )
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError("The PEFT model has no LoRA layers: nothing for invisible_lora to speed up.")
+    for m in layers:
+        if m.merged:
+            raise ValueError(
+                "Some adapters are merged into the base weights, so the base model cannot draft. "
+                "Call model.unmerge_adapter() first."
+            )
+        if type(m) is not LoraLinear:
+            raise ValueError(
+                f"invisible_lora supports LoRA on Linear layers (peft.tuners.lora.layer.Linear) only, found "
+                f"{type(m).__module__}.{type(m).__name__} (embedding, convolution or quantized LoRA). "
+                "Use target_modules on linear layers of an unquantized model."
+            )
+        if m.lora_variant:
+            variants = {a: type(v).__name__ for a, v in m.lora_variant.items()}
+            raise ValueError(f"LoRA variants (DoRA, aLoRA, ...) are not supported: {variants}. Serve them with plain generate().")
+        if any(m.lora_bias.values()):
+            raise ValueError("LoRA adapters with lora_bias=True are not supported. Serve them with plain generate().")
+    check_architecture(model.get_base_model())
+
+
+def check_architecture(inner) -> None:
+    config = inner.config
+    text = config.get_text_config(decoder=True)
+    name = type(inner).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"invisible_lora serves decoder-only models; {name} is an encoder-decoder.")
+    implementation = text._attn_implementation or "eager"
+    if implementation not in ATTENTION:
+        raise ValueError(
+            f"invisible_lora builds per-row attention masks for attn_implementation 'sdpa' or 'eager'; this model "
+            f"uses {implementation!r}. Load it with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))."
+        )
+    if "position_ids" not in inspect.signature(inner.forward).parameters:
+        raise ValueError(
+            f"{name} computes token positions itself (its forward takes no position_ids; e.g. the ALiBi models "
+            "Bloom and MPT), so rows at different lengths cannot share a pass. Serve it with plain generate()."
+        )
+    if getattr(text, "alibi", False):
+        raise ValueError(f"{name} uses ALiBi position biases built from a 2D mask, which per-row passes cannot give it. "
+                         "Serve it with plain generate().")
+    try:
+        kinds, _ = get_layer_types_and_kwargs(text)
+    except Exception:  # configs without a per-layer description: plain attention layers
+        kinds = ["full_attention"]
+    other = sorted(set(kinds) - set(ATTENTION_LAYERS) - {"dummy"})
+    if other:
+        raise ValueError(
+            f"{name} has layers of kind {other} (recurrent / linear-attention state, not per-token keys and values): "
+            "their state cannot be rolled back past rejected drafts. Serve it with plain generate()."
+        )
+
+
+def check_compile(backend, inner) -> None:
+    if backend is not None and any(length_dependent(m) for m in inner.modules()):
+        raise ValueError("compile=True does not support rotary embeddings that depend on the sequence length "
+                         "(dynamic NTK, LongRoPE); use compile=False.")
+
+
+def resolve_adapter_names(model: PeftModel, adapter_names: Sequence[str] | None, batch_size: int) -> list[str]:
+    """Per-row adapter names, validated. ``None`` means the active adapter for every row."""
+    loaded = list(model.peft_config)
+    if adapter_names is None:
+        active = model.active_adapters
+        if len(active) != 1:
+            raise ValueError(
+                f"Several adapters are active at once ({active}); pass adapter_names=[...] to choose one per row."
+            )
+        return [active[0]] * batch_size
+    if isinstance(adapter_names, str) or not isinstance(adapter_names, Sequence):
+        raise ValueError(f"adapter_names must be a list of adapter names, one per row, got {adapter_names!r}.")
+    if len(adapter_names) != batch_size:
+        raise ValueError(
+            f"adapter_names has {len(adapter_names)} entries but the batch has {batch_size} rows: give one "
+            "adapter name per prompt (with pipeline(), pass batch_size=len(prompts) so one call sees them all)."
+        )
+    unknown = sorted({a for a in adapter_names if a != BASE and a not in loaded})
+    if unknown:
+        raise ValueError(f"Unknown adapter(s) {unknown}; loaded adapters: {loaded} (or {BASE!r} for none).")
+    return list(adapter_names)
+
+
+def check_call(config, processors, model_kwargs, input_ids, streamer) -> None:
+    """What generate() prepared: the decoding mode, the processors and the model inputs."""
+    mode = config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise ValueError(
+            f"invisible_lora decodes greedily or by sampling; these settings ask for {mode.value.replace('_', ' ')} "
+            "(num_beams, penalty_alpha with top_k, dola_layers, constraints, ...). Drop them or use plain generate()."
+        )
+    if config.guidance_scale is not None and config.guidance_scale != 1:
+        raise ValueError("invisible_lora does not do classifier-free guidance (guidance_scale): it needs a second "
+                         "model pass per step. Use plain generate().")
+    for p in processors:
+        if isinstance(p, lp.UnbatchedClassifierFreeGuidanceLogitsProcessor):
+            raise ValueError("invisible_lora does not do classifier-free guidance: it needs a second model pass per step.")
+        if isinstance(p, lp.SynthIDTextWatermarkLogitsProcessor):
+            # It keeps a running context that advances on every call: drafts would advance it too.
+            raise ValueError("invisible_lora cannot apply the SynthID watermark (its processor keeps state across "
+                             "steps, which speculative passes would advance); use plain generate().")
+    asked = [o for o in _UNSUPPORTED_OUTPUTS if getattr(config, o, False)]
+    if asked:
+        raise ValueError(f"invisible_lora does not return {asked}; call generate without them.")
+    extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _MODEL_INPUTS)
+    if extra:
+        raise ValueError(f"invisible_lora takes input_ids, attention_mask and position_ids; got {extra} too.")
+    cache = model_kwargs.get("cache")
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("invisible_lora starts from the prompt: a prefilled cache= cannot be continued. "
+                         "Pass the whole sequence as input_ids instead.")
+    positions = model_kwargs.get("position_ids")
+    if positions is not None and tuple(positions.shape) != tuple(input_ids.shape):
+        raise ValueError(f"position_ids must have the shape of input_ids {tuple(input_ids.shape)}, "
+                         f"got {tuple(positions.shape)} (multi-axis positions are not supported).")
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ValueError("A streamer needs a batch of one row (as in standard generate).")

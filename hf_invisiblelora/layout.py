@@ -1,0 +1,99 @@
+"""Where each row's tokens sit, and what a pass tells the model about them: masks and positions.
+
+Slot j of row b holds token j of that row, where standard decoding puts it (its cache position):
+the prompt at 0..P-1 as given (any padding pattern), then the generated tokens. Two tables,
+computed once per call the way generate() computes them, describe every slot:
+
+    valid[b, j]      slot j may be attended to: the prompt's attention_mask, then ones
+    positions[b, j]  position id: the prompt's position_ids (given, or cumsum(mask) - 1 with 0 at
+                     masked slots), then last + 1, last + 2, ...
+
+A pass runs each row at its own slots (rows commit different numbers of tokens per cycle). Its
+attention masks are the model's own: Transformers' ``create_masks_for_generate`` picks the mask
+kinds a config needs (causal, sliding window, chunked, one per layer type), and each kind's mask
+function is evaluated here at every row's own query slots instead of one shared offset. The result
+has the format of the model's attention implementation (boolean for sdpa, additive for eager), so
+the model uses it as given.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.masking_utils import AttentionMaskInterface, create_masks_for_generate
+
+ROW_MASKS = "hf_invisiblelora_rows"  # our mask interface's name in Transformers' registry
+ATTENTION = ("sdpa", "eager")  # attention implementations whose masks we can build
+
+
+def _row_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+              use_vmap=False, config=None, dtype=torch.float32, **kwargs):
+    """Transformers' mask-interface signature; ``config.invisiblelora`` is the call's RowLayout."""
+    layout = config.invisiblelora
+    query = layout.query  # [B, q] slot of every query token
+    device = query.device
+    b = torch.arange(batch_size, device=device)[:, None, None, None]
+    h = torch.zeros(1, dtype=torch.long, device=device)[None, :, None, None]
+    kv = (torch.arange(kv_length, device=device) + kv_offset)[None, None, None, :]
+    visible = mask_function(b, h, query[:, None, :, None], kv)
+    if attention_mask is not None:
+        visible = visible & attention_mask[:, None, None, kv_offset : kv_offset + kv_length]
+    visible = visible.expand(batch_size, 1, q_length, kv_length)
+    if layout.implementation == "eager":  # eager attention adds the mask
+        return torch.where(visible, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
+    return visible
+
+
+AttentionMaskInterface.register(ROW_MASKS, _row_mask)
+
+
+def prompt_positions(attention_mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
+    """Position ids of the prompt as generate() derives them when none are given."""
+    if attention_mask is None:
+        return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 0)
+
+
+class RowLayout:
+    """Slot tables of one call (see the module docstring) and the masks / positions of each pass.
+
+    ``width``: slots per row. ``last_used``: the last slot standard decoding ever feeds to the
+    model (P + max_new - 2); slots past it (drafts of rows that are ahead) get its position, so
+    learned position tables are never read past what standard decoding reads.
+    """
+
+    def __init__(self, config, dtype, prompt_mask, positions, width: int, last_used: int):
+        b, p = positions.shape
+        device = positions.device
+        self.prompt_len, self.width = p, width
+        self.valid = torch.ones(b, width, dtype=torch.bool, device=device)
+        if prompt_mask is not None:
+            self.valid[:, :p] = prompt_mask.bool()
+        after = positions[:, -1:] + torch.arange(1, width - p + 1, device=device)
+        self.positions = torch.cat([positions.long(), after], 1)
+        self.positions[:, last_used + 1 :] = self.positions[:, last_used : last_used + 1]
+        text = config.get_text_config(decoder=True)
+        self.implementation = text._attn_implementation or "eager"
+        # A per-call copy of the config that names our mask interface: the model's own config and
+        # attention implementation stay untouched, and concurrent calls do not share it.
+        self.config = copy.copy(text)
+        self.config._attn_implementation_internal = ROW_MASKS
+        self.config.invisiblelora = self
+        self.dtype = dtype
+        self.query = None  # [b, q] query slots of the current pass
+        self.rows = None  # the rows it runs (None: all)
+        self.prefix = None  # L if it computes slots [0, q) as standard decoding's one call over slots [0, L) did
+
+    def begin_pass(self, start: torch.Tensor, q: int, kv_len: int, prefix: int | None = None, rows=None):
+        """Masks (a tensor, or a dict by layer type) and position_ids [b, q] for a pass writing
+        ``q`` tokens per row from slot ``start[b]``, attending to the first ``kv_len`` slots.
+
+        ``rows``: the rows it runs (a subset; ``start`` is theirs); default all. ``prefix``: see __init__
+        (the prompt's pass: P; the whole-cache recompute of rotary.Recompute)."""
+        self.query = start[:, None] + torch.arange(q, device=start.device)
+        self.rows, self.prefix = rows, prefix
+        valid, positions = (self.valid, self.positions) if rows is None else (self.valid[rows], self.positions[rows])
+        embeds = torch.empty(start.shape[0], q, 0, dtype=self.dtype, device=start.device)
+        masks = create_masks_for_generate(self.config, embeds, valid[:, :kv_len], cache=None, position_ids=None)
+        return masks, positions.gather(1, self.query.clamp(max=self.width - 1))

@@ -1,0 +1,110 @@
+"""generate()'s logits processors and stopping criteria, shown what standard decoding shows them.
+
+Standard decoding calls them once per step with the whole batch, ``input_ids`` [B, L], every row
+of the same length L. Here rows stand at different lengths (they commit different numbers of
+tokens per cycle), so for every length L some row needs, they are called with the whole batch's
+first L tokens, exactly as standard decoding's step at length L called them (same batch indices,
+same ``input_ids.shape[-1]``), and each row keeps the results of the calls at its own lengths.
+Other rows' results of a call are dropped. Processors that read the scores alone (temperature,
+top-k, ...) run once over all rows and positions. Scores are float32, as standard decoding makes them.
+
+Contract, as in standard decoding: a processor or criterion computes each row from that row's
+``input_ids`` and scores (and its batch index); it is called more often here (draft positions too).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.generation import logits_process as lp
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+# Processors whose output depends on the scores alone (input_ids is not read).
+_SCORES_ONLY = (
+    lp.TemperatureLogitsWarper,
+    lp.TopKLogitsWarper,
+    lp.TopPLogitsWarper,
+    lp.MinPLogitsWarper,
+    lp.TypicalLogitsWarper,
+    lp.EpsilonLogitsWarper,
+    lp.EtaLogitsWarper,
+    lp.InfNanRemoveLogitsProcessor,
+    lp.SuppressTokensLogitsProcessor,
+    lp.LogitNormalization,
+)
+
+
+def _only_rows(processor, rows: set[int]):
+    """A PrefixConstrainedLogitsProcessor that asks its function only about ``rows`` (the function
+    may reject the contexts of the other rows, which are not at this length)."""
+    if not isinstance(processor, lp.PrefixConstrainedLogitsProcessor):
+        return processor
+    fn, beams = processor._prefix_allowed_tokens_fn, processor._num_beams
+    processor = copy.copy(processor)
+    processor._prefix_allowed_tokens_fn = lambda batch_id, sent: fn(batch_id, sent) if batch_id * beams in rows else [0]
+    return processor
+
+
+def process_scores(processors, tokens: torch.Tensor, lengths: list[int], logits: torch.Tensor,
+                   rows: list[int] | None = None) -> torch.Tensor:
+    """Processed scores [B, q, V] float32: position t of row b follows ``tokens[b, :lengths[b] + t]``.
+
+    ``rows``: the rows whose scores matter (others may be left unprocessed); default all.
+    """
+    scores = logits.float()
+    if not processors:
+        return scores
+    b, q, v = scores.shape
+    if all(isinstance(p, _SCORES_ONLY) for p in processors):
+        flat = scores.reshape(b * q, v)
+        ids = tokens[:1, :1].expand(b * q, 1)  # unread by these processors
+        for p in processors:
+            flat = p(ids, flat)
+        return flat.reshape(b, q, v)
+    rows = range(b) if rows is None else rows
+    wanted = {}  # length -> [(row, position)]
+    for r in rows:
+        for t in range(q):
+            wanted.setdefault(lengths[r] + t, []).append((r, t))
+    out = scores.clone()
+    for length, at in sorted(wanted.items()):
+        rs = torch.tensor([r for r, _ in at], device=scores.device)
+        ts = torch.tensor([t for _, t in at], device=scores.device)
+        col = torch.zeros(b, dtype=torch.long, device=scores.device)
+        col[rs] = ts
+        step = scores.gather(1, col[:, None, None].expand(b, 1, v))[:, 0]  # each row's scores at this length
+        members = {r for r, _ in at}
+        for p in processors:
+            step = _only_rows(p, members)(tokens[:, :length], step)
+        out[rs, ts] = step[rs]
+    return out
+
+
+def split_criteria(criteria) -> StoppingCriteriaList:
+    """The criteria decoding must call itself; max length and EOS are handled per row, vectorized."""
+    return StoppingCriteriaList(c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)))
+
+
+def first_stop(criteria: StoppingCriteriaList, tokens: torch.Tensor, prompt_len: int, gen: list[int],
+               counts: list[int]) -> list[int | None]:
+    """For rows committing ``counts[b]`` tokens after their ``gen[b]``: the number kept up to and
+    including the first token that stops the row, or None if none does.
+
+    The criteria see the whole batch's first L tokens for each length L a row reaches, as at
+    standard decoding's step of that length (``scores`` is None, as there unless scores are output).
+    """
+    stop = [None] * len(gen)
+    lengths = {}
+    for r, (g, c) in enumerate(zip(gen, counts)):
+        for j in range(c):
+            lengths.setdefault(prompt_len + g + j + 1, []).append((r, j))
+    for length, at in sorted(lengths.items()):
+        pending = [(r, j) for r, j in at if stop[r] is None]
+        if not pending:
+            continue
+        hit = criteria(tokens[:, :length], None).tolist()
+        for r, j in pending:
+            if hit[r]:
+                stop[r] = j + 1
+    return stop

@@ -1,0 +1,43 @@
+"""What InvisibleLoRA keeps on a model between calls, in one place.
+
+    state_of(peft_model).clear()      # drop it all (the adapter bank, the gate's measurements, compiled passes)
+
+One call at a time per model: ``state.lock`` serializes InvisibleLoRA calls on the same model
+(the bank, the gate's memory and the compiled buckets are per model), and ``state.owner`` is the
+thread of the call in progress, so other threads running the model meanwhile get it as it is.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from .gate import GateMemory
+
+_ATTR = "_invisiblelora_state"
+_CREATE = threading.Lock()
+
+
+@dataclass
+class ModelState:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    owner: int | None = None  # thread id of the call in progress
+    bank: object = None  # bank.AdapterBank, built on first use
+    gate: GateMemory = field(default_factory=GateMemory)
+    buckets: dict = field(default_factory=dict)  # forward.Bucket per (device, dtype, rows, cache length)
+
+    def clear(self) -> None:
+        """Forget the bank, the gate's measurements and the compiled passes (rebuilt on next use)."""
+        self.bank, self.gate, self.buckets = None, GateMemory(), {}
+
+    def mine(self) -> bool:
+        return self.owner == threading.get_ident()
+
+
+def state_of(model) -> ModelState:
+    """The PEFT model's InvisibleLoRA state (created on first use)."""
+    state = model.__dict__.get(_ATTR)
+    if state is None:
+        with _CREATE:
+            state = model.__dict__.setdefault(_ATTR, ModelState())
+    return state
