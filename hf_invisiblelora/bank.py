@@ -21,7 +21,6 @@ from peft.tuners.lora.layer import LoraLayer
 from . import kernels
 from .state import state_of
 
-BASE = "__base__"
 # Sibling LoRA layers that read the same input tensor in the architectures we know. Their shrinks
 # become one matmul over the concatenated A (measured on the CPU: one shrink for q/k/v costs
 # 40-45% of three separate ones). Only used when the siblings really get the same tensor.

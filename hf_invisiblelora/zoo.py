@@ -194,8 +194,9 @@ def build(model: str = "smollm2", only: list[str] | None = None, recipes: dict[s
     return folder
 
 
-def load_zoo(model: str = "smollm2", names: list[str] | None = None):
-    """(peft_model, tokenizer, names): the base model with the zoo's adapters loaded side by side."""
+def load_zoo(model: str = "smollm2", names: list[str] | None = None, dtype=None):
+    """(peft_model, tokenizer, names): the base model (float32, or ``dtype``) with the zoo's adapters
+    loaded side by side (PEFT keeps them in float32 on a half-precision model)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -206,7 +207,7 @@ def load_zoo(model: str = "smollm2", names: list[str] | None = None):
     if not names:
         raise SystemExit(f"no adapters in {folder}; run: python -m hf_invisiblelora.zoo build --model {model}")
     base_path = assets.prepare(model)
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype or torch.float32)
     peft_model = PeftModel.from_pretrained(base, folder / names[0], adapter_name=names[0])
     for name in names[1:]:
         peft_model.load_adapter(folder / name, adapter_name=name)

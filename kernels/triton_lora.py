@@ -129,8 +129,10 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, B: torch.Tensor, meta, round
     """Semantics:
         for i in range(n):                       # n = meta.num_lora_tokens
             t = meta.sorted_tokens[i]
-            out[t] += y[i] @ B[meta.token_slots[t]].T
-    out: [T, O] (updated in place, fp32 accumulate); y: [T, R] from lora_shrink; B: [S, O, R].
+            delta = y[i] @ B[meta.token_slots[t]].T                      # fp32 accumulate
+            out[t] = out[t] + delta.to(out.dtype)     if round_delta     # PEFT, mixed batch
+                     (out[t].float() + delta).to(out.dtype) else        # PEFT, one adapter
+    out: [T, O] (updated in place); y: [T, R] from lora_shrink; B: [S, O, R].
     """
     if meta.no_lora:
         return

@@ -1,0 +1,101 @@
+"""Low precision: how often a bfloat16 / float16 model decodes exactly as stock PEFT does, with the
+default LoRA path (the adapter bank) and with lora_backend="peft", and whether every divergence
+is at a near tie of stock's own logits.
+
+    python benchmarks/low_precision.py [--dtype bfloat16] [--prompts-per-adapter 16] [--new-tokens 32]
+
+SmolLM2-135M-Instruct loaded in the given dtype with the demo's four zoo adapters (PEFT keeps
+them in float32), held-out prompts, mixed batches of 16 rows, greedy. A divergence is the first
+position where a row differs from stock; its gap is stock's logit of stock's token minus stock's
+logit of ours at that step (stock's logits as its own decoding computed them, output_logits=True),
+in units of the dtype's spacing at that logit's magnitude. A near tie: a gap of at most 4 units.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+import hf_invisiblelora  # noqa: F401
+from hf_invisiblelora import zoo
+from hf_invisiblelora.demo import DEMO_ADAPTERS
+
+NEAR_TIE_UNITS = 4
+
+
+def spacing(x: float, dtype) -> float:
+    """The distance between representable numbers of ``dtype`` at magnitude |x|."""
+    mantissa = {torch.bfloat16: 7, torch.float16: 10}[dtype]
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 1e-30))) - mantissa)
+
+
+def compare(stock, logits, ours, prompt_len, dtype):
+    """Per row: None if identical, else (step, gap in spacing units)."""
+    out = []
+    for row in range(stock.shape[0]):
+        a, b = stock[row, prompt_len:].tolist(), ours[row, prompt_len:].tolist()
+        step = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if step is None:
+            out.append(None)
+            continue
+        step_logits = logits[step][row].float()
+        gap = float(step_logits[a[step]] - step_logits[b[step]])
+        out.append((step, gap / spacing(float(step_logits[a[step]]), dtype)))
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--prompts-per-adapter", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--out", default="benchmarks/results/low_precision.json")
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    zoo.build("smollm2", only=DEMO_ADAPTERS)
+    model, tok, names = zoo.load_zoo("smollm2", DEMO_ADAPTERS, dtype=dtype)
+    tok.padding_side = "left"
+    manifest = zoo.read_manifest(zoo.zoo_dir("smollm2"))["adapters"]
+    prompts, rows = [], []
+    for name in names:
+        prompts += zoo.heldout_prompts(manifest[name]["domain"], tok, args.prompts_per_adapter, args.prompt_tokens)
+        rows += [name] * args.prompts_per_adapter
+    order = torch.randperm(len(rows)).tolist()  # mixed batches
+    prompts, rows = [prompts[i] for i in order], [rows[i] for i in order]
+    results = {"default": [], "peft": []}
+    for start in range(0, len(rows), args.batch):
+        enc = tok(prompts[start : start + args.batch], return_tensors="pt", padding=True)
+        names_b = rows[start : start + args.batch]
+        kw = dict(adapter_names=names_b, max_new_tokens=args.new_tokens, do_sample=False)
+        with torch.no_grad():
+            ref = model.generate(**enc, **kw, output_logits=True, return_dict_in_generate=True)
+            for backend in results:
+                out = model.generate(**enc, **kw, invisible_lora=True, lora_backend="bank" if backend == "default" else "peft",
+                                     gate="always", num_draft_tokens=4)
+                results[backend] += compare(ref.sequences, ref.logits, out, enc.input_ids.shape[1], dtype)
+    summary = {}
+    for backend, per_row in results.items():
+        diverged = [d for d in per_row if d is not None]
+        summary[backend] = dict(rows=len(per_row), identical=len(per_row) - len(diverged),
+                                divergences=[dict(step=s, gap_units=round(g, 2)) for s, g in diverged],
+                                all_near_ties=all(abs(g) <= NEAR_TIE_UNITS for _, g in diverged))
+        print(f"{backend:>8}: {summary[backend]['identical']}/{len(per_row)} rows identical to stock; "
+              f"divergence gaps (units of {args.dtype} spacing): {[round(g, 2) for _, g in diverged]}; "
+              f"all near ties (<= {NEAR_TIE_UNITS}): {summary[backend]['all_near_ties']}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(args=vars(args), cpu=platform.processor(), summary=summary), indent=1))
+    print("command: python benchmarks/low_precision.py " + " ".join(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()
