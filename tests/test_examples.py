@@ -56,7 +56,7 @@ def test_notebook_runs_headless_on_a_tiny_model(monkeypatch):
 def test_demo_counts_new_tokens_up_to_the_first_eos():
     import torch
 
-    from hf_invisiblelora.demo import new_tokens
+    from hf_invisiblelora.zoo.demo import new_tokens
 
     sequences = torch.tensor([[5, 5, 7, 1, 0, 0], [0, 5, 8, 9, 9, 9]])
     assert new_tokens(sequences, 2, {1}) == [[7, 1], [8, 9, 9, 9]]

@@ -1,13 +1,22 @@
 """The zoo recipe's pieces on tiny inputs: text cleaning, splitting, chunking, manifest, and a
-three-step build on a tiny random model (no network, no real corpora)."""
+three-step build on a tiny random model (no network, no real corpora); the zoo's errors and its
+boundary with the decoding core."""
 
+import ast
+import importlib.util
 import json
+import logging
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
-from hf_invisiblelora import corpora, zoo
+import hf_invisiblelora
+from hf_invisiblelora import zoo
+from hf_invisiblelora.zoo import corpora
+from hf_invisiblelora.zoo.__main__ import main as zoo_main
+from hf_invisiblelora.zoo.demo import main as demo_main
 
 
 def test_normalize_collapses_blank_lines_and_trailing_space():
@@ -103,8 +112,10 @@ def tiny_world(tmp_path, monkeypatch):
     return {"toy": zoo.Recipe("toy", r=4, alpha=8, targets=zoo.ATTENTION, steps=15, batch=2, block=16, lr=1e-2)}
 
 
-def test_build_trains_lowers_held_out_loss_and_skips_what_exists(tiny_world):
-    folder = zoo.build("tiny", recipes=tiny_world)
+def test_build_trains_lowers_held_out_loss_and_skips_what_exists(tiny_world, caplog):
+    with caplog.at_level(logging.INFO, logger="hf_invisiblelora.zoo"):
+        folder = zoo.build("tiny", recipes=tiny_world)
+    assert "toy: held-out loss" in caplog.text  # progress is logged, not printed
     manifest = json.loads((folder / "manifest.json").read_text())
     entry = manifest["adapters"]["toy"]
     assert (folder / "toy" / "adapter_model.safetensors").exists()
@@ -117,3 +128,38 @@ def test_build_trains_lowers_held_out_loss_and_skips_what_exists(tiny_world):
     result = zoo.measure_acceptance("tiny", prompts_per_adapter=2, prompt_tokens=8, new_tokens=6)
     assert result["batch"] == 2 and 0.0 <= result["per_adapter"]["toy"] <= 1.0
     assert zoo.read_manifest(folder)["acceptance"] == result
+
+
+def test_an_asset_that_cannot_be_had_is_one_error_and_an_exit_status(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_INVISIBLELORA_HOME", str(tmp_path))
+    with pytest.raises(zoo.AssetUnavailable, match=r"no recipe for adapters \['nope'\] of the smollm2 zoo"):
+        zoo.build("smollm2", only=["nope"])
+    with pytest.raises(zoo.AssetUnavailable, match="build them: python -m hf_invisiblelora.zoo build --model smollm2"):
+        zoo.load_zoo("smollm2")
+    assert zoo_main(["build", "--only", "nope"]) == 2
+    assert "error: no recipe for adapters ['nope']" in capsys.readouterr().err
+    assert demo_main(["--adapters", "nope"]) == 2
+    assert "error: no recipe for adapters ['nope']" in capsys.readouterr().err
+
+
+FORBIDDEN_IN_CORE = ("tqdm", "gguf", "hf_invisiblelora.zoo")
+
+
+def test_the_core_imports_neither_the_zoo_nor_its_requirements():
+    """The zoo is an extra: no module of the decoding core (or its kernels) imports it, tqdm or gguf."""
+    import hf_invisiblelora.kernels
+
+    found = []
+    for package in (hf_invisiblelora, hf_invisiblelora.kernels):
+        for path in sorted(Path(package.__file__).parent.glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    module = importlib.util.resolve_name("." * node.level + (node.module or ""), package.__name__)
+                    names = [module] + [f"{module}.{alias.name}" for alias in node.names]
+                else:
+                    continue
+                found += [f"{path.name}: {name}" for name in names
+                          if any(name == f or name.startswith(f + ".") for f in FORBIDDEN_IN_CORE)]
+    assert not found

