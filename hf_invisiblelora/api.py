@@ -94,7 +94,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         width, last_used = prompt_len + max_new + num_draft_tokens + 1, prompt_len + max_new - 2
         lora = SWITCHES[lora_backend](model, rows, mixed, state.mine)
         if compile_backend is None:
-            fwd = EagerForward(inner, lora, RowLayout(inner.config, inner.dtype, mask, positions, width, last_used))
+            fwd = EagerForward(inner, lora, RowLayout(inner, mask, positions, width, last_used))
         else:
             fwd = CompiledForward(inner, state.buckets, lora, mask, positions, width, last_used, compile_backend,
                                   range(1, num_draft_tokens + 2))

@@ -28,6 +28,19 @@ COMPILE_OPTIONS = ("auto", True, False)
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 # Model inputs generate() hands over that decoding itself provides or that need no handling.
 _MODEL_INPUTS = ("attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep")
+# Architectures the sweep of Transformers' causal LMs found incompatible for reasons no config
+# field shows (docs/support.md). The key is config.model_type.
+UNSUPPORTED = {
+    "doge": "its dynamic attention mask (a top-k over keys) gives a pass of several tokens other results "
+            "than the same tokens one at a time, so drafts cannot be verified exactly",
+    "dory": "its looped layers copy and extend the KV cache themselves",
+    "git": "it keeps image tokens in its cache that input_ids do not show, and widens masks for them",
+    "gemma4_assistant": "it is a drafter that attends over a target model's shared KV states",
+    "gemma4_unified_assistant": "it is a drafter that attends over a target model's shared KV states",
+    "musicgen": "its input rows are audio codebooks, several per sequence",
+    "musicgen_melody": "its input rows are audio codebooks, several per sequence",
+    "xlm": "its generation appends a mask token to every step's input",
+}
 
 
 def check_options(gate, num_draft_tokens, lora_backend, compile) -> None:
@@ -95,13 +108,19 @@ def check_architecture(inner) -> None:
     name = type(inner).__name__
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"invisible_lora serves decoder-only models; {name} is an encoder-decoder.")
+    if config.model_type in UNSUPPORTED:
+        raise ValueError(f"invisible_lora cannot serve {name}: {UNSUPPORTED[config.model_type]}. Use plain generate().")
+    parameters = inspect.signature(inner.forward).parameters
+    if "cache" not in parameters and "past_key_values" not in parameters:
+        raise ValueError(f"{name} decodes without a KV cache (its forward takes none), which the drafter and the "
+                         "verifier share. Use plain generate().")
     implementation = text._attn_implementation or "eager"
     if implementation not in ATTENTION:
         raise ValueError(
             f"invisible_lora builds per-row attention masks for attn_implementation 'sdpa' or 'eager'; this model "
             f"uses {implementation!r}. Load it with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))."
         )
-    if "position_ids" not in inspect.signature(inner.forward).parameters:
+    if "position_ids" not in parameters:
         raise ValueError(
             f"{name} computes token positions itself (its forward takes no position_ids; e.g. the ALiBi models "
             "Bloom and MPT), so rows at different lengths cannot share a pass. Serve it with plain generate()."
@@ -116,8 +135,9 @@ def check_architecture(inner) -> None:
     other = sorted(set(kinds) - set(ATTENTION_LAYERS) - {"dummy"})
     if other:
         raise ValueError(
-            f"{name} has layers of kind {other} (recurrent / linear-attention state, not per-token keys and values): "
-            "their state cannot be rolled back past rejected drafts. Serve it with plain generate()."
+            f"{name} has layers of kind {other}, whose cache is not plain per-token keys and values (recurrent or "
+            "linear-attention state cannot be rolled back past rejected drafts; indexed and compressed caches are "
+            "not supported). Serve it with plain generate()."
         )
 
 
@@ -150,6 +170,11 @@ def resolve_adapter_names(model: PeftModel, adapter_names: Sequence[str] | None,
     return list(adapter_names)
 
 
+def _given(value) -> bool:
+    # generate() passes some inputs as empty containers when there are none (mm_encoder_outputs={}).
+    return value is not None and not (isinstance(value, (dict, list, tuple)) and not value)
+
+
 def check_call(config, processors, model_kwargs, input_ids, streamer) -> None:
     """What generate() prepared: the decoding mode, the processors and the model inputs."""
     mode = config.get_generation_mode()
@@ -171,7 +196,7 @@ def check_call(config, processors, model_kwargs, input_ids, streamer) -> None:
     asked = [o for o in _UNSUPPORTED_OUTPUTS if getattr(config, o, False)]
     if asked:
         raise ValueError(f"invisible_lora does not return {asked}; call generate without them.")
-    extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _MODEL_INPUTS)
+    extra = sorted(k for k, v in model_kwargs.items() if _given(v) and k not in _MODEL_INPUTS)
     if extra:
         raise ValueError(f"invisible_lora takes input_ids, attention_mask and position_ids; got {extra} too.")
     cache = model_kwargs.get("cache")

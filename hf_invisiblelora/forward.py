@@ -154,7 +154,7 @@ class CompiledForward:
             state.passes, state.bank_version = {}, self.bank.version
         self.cache = state.cache
         mask, pos = _padded((prompt_mask, positions), self.rows)
-        self.layout = RowLayout(model.config, model.dtype, mask, pos, self.length, last_used)
+        self.layout = RowLayout(model, mask, pos, self.length, last_used)
         self.row_slots = torch.full((self.rows,), -1, dtype=torch.long, device=positions.device)
         self.row_slots[:b] = lora.row_slots
         self.fresh_metas = set()  # q whose metadata buffers hold this call's rows

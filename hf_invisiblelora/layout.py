@@ -9,19 +9,24 @@ computed once per call the way generate() computes them, describe every slot:
                      masked slots), then last + 1, last + 2, ...
 
 A pass runs each row at its own slots (rows commit different numbers of tokens per cycle). Its
-attention masks are the model's own: Transformers' ``create_masks_for_generate`` picks the mask
-kinds a config needs (causal, sliding window, chunked, one per layer type), and each kind's mask
-function is evaluated here at every row's own query slots instead of one shared offset. The result
-has the format of the model's attention implementation (boolean for sdpa, additive for eager), so
-the model uses it as given.
+attention masks are the model's own: one per layer type, made by the function the model makes it
+with (Transformers' create_causal_mask, create_sliding_window_causal_mask, ...; ``mask_makers``),
+whose mask function is evaluated here at every row's own query slots instead of one shared
+offset. Standard decoding's cache can narrow that further: a sliding-window cache layer keeps
+only the last ``window`` keys for every step after the prompt's, whatever the mask function says
+(a model may build plain causal masks on a config with a window). The result has the format of the
+model's attention implementation (boolean for sdpa, additive for eager), so the model uses it as given.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 
 import torch
-from transformers.masking_utils import AttentionMaskInterface, create_masks_for_generate
+from transformers import masking_utils
+from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING, AttentionMaskInterface
 
 ROW_MASKS = "hf_invisiblelora_rows"  # our mask interface's name in Transformers' registry
 ATTENTION = ("sdpa", "eager")  # attention implementations whose masks we can build
@@ -39,6 +44,8 @@ def _row_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
     visible = mask_function(b, h, query[:, None, :, None], kv)
     if attention_mask is not None:
         visible = visible & attention_mask[:, None, None, kv_offset : kv_offset + kv_length]
+    if layout.window is not None and layout.prefix is None:  # standard decoding's cache keeps the last `window` keys
+        visible = visible & (kv > query[:, None, :, None] - layout.window)
     visible = visible.expand(batch_size, 1, q_length, kv_length)
     if layout.implementation == "eager":  # eager attention adds the mask
         return torch.where(visible, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
@@ -46,6 +53,28 @@ def _row_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
 
 
 AttentionMaskInterface.register(ROW_MASKS, _row_mask)
+
+
+def mask_makers(model, config) -> dict:
+    """How ``model`` makes its attention masks: {layer type: Transformers' mask function} when its
+    config has ``layer_types`` (the model then takes a dict of masks), else {None: the one function
+    whose mask every layer gets}.
+
+    Transformers' ``create_masks_for_generate`` is the model of this (it prepares the masks of
+    compiled decoding), but a config's ``sliding_window`` or ``attention_chunk_size`` alone does not
+    mean the model slides: some models never call the sliding-window mask function. Those
+    functions are imported by name into each modeling file, so a model that does not import one
+    cannot use it.
+    """
+    if hasattr(config, "layer_types"):
+        kinds = set(config.layer_types) & set(LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING)
+        return {t: LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING[t] for t in kinds}
+    module = vars(sys.modules[type(model).__module__])
+    for attribute, name in (("sliding_window", "create_sliding_window_causal_mask"),
+                            ("attention_chunk_size", "create_chunked_causal_mask")):
+        if getattr(config, attribute, None) is not None and name in module:
+            return {None: getattr(masking_utils, name)}
+    return {None: masking_utils.create_causal_mask}
 
 
 def prompt_positions(attention_mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
@@ -63,7 +92,7 @@ class RowLayout:
     learned position tables are never read past what standard decoding reads.
     """
 
-    def __init__(self, config, dtype, prompt_mask, positions, width: int, last_used: int):
+    def __init__(self, model, prompt_mask, positions, width: int, last_used: int):
         b, p = positions.shape
         device = positions.device
         self.prompt_len, self.width = p, width
@@ -73,14 +102,20 @@ class RowLayout:
         after = positions[:, -1:] + torch.arange(1, width - p + 1, device=device)
         self.positions = torch.cat([positions.long(), after], 1)
         self.positions[:, last_used + 1 :] = self.positions[:, last_used : last_used + 1]
-        text = config.get_text_config(decoder=True)
+        text = model.config.get_text_config(decoder=True)
+        self.makers = mask_makers(model, text)
+        kinds, kwargs = get_layer_types_and_kwargs(text)
+        windows = {kind: kw.get("sliding_window") for kind, kw in zip(kinds, kwargs)}
+        # The window of the cache layers whose mask each maker makes (one maker: every layer's, the first layer's).
+        self.windows = {kind: windows.get(kind if kind is not None else kinds[0]) for kind in self.makers}
+        self.window = None  # of the mask being made
         self.implementation = text._attn_implementation or "eager"
         # A per-call copy of the config that names our mask interface: the model's own config and
         # attention implementation stay untouched, and concurrent calls do not share it.
         self.config = copy.copy(text)
         self.config._attn_implementation_internal = ROW_MASKS
         self.config.invisiblelora = self
-        self.dtype = dtype
+        self.dtype = model.dtype
         self.query = None  # [b, q] query slots of the current pass
         self.rows = None  # the rows it runs (None: all)
         self.prefix = None  # L if it computes slots [0, q) as standard decoding's one call over slots [0, L) did
@@ -95,5 +130,8 @@ class RowLayout:
         self.rows, self.prefix = rows, prefix
         valid, positions = (self.valid, self.positions) if rows is None else (self.valid[rows], self.positions[rows])
         embeds = torch.empty(start.shape[0], q, 0, dtype=self.dtype, device=start.device)
-        masks = create_masks_for_generate(self.config, embeds, valid[:, :kv_len], cache=None, position_ids=None)
-        return masks, positions.gather(1, self.query.clamp(max=self.width - 1))
+        masks = {}
+        for kind, make in self.makers.items():
+            self.window = self.windows[kind]
+            masks[kind] = make(self.config, embeds, valid[:, :kv_len], cache=None)
+        return masks.get(None, masks), positions.gather(1, self.query.clamp(max=self.width - 1))
