@@ -60,8 +60,7 @@ def load(kind: str, device: str, dtype: torch.dtype, strength: float):
     if kind == "synthetic":  # prompts are token ids, all of one length
         model, names, prompts_for = synthetic(strength)
     elif kind == "smoke":
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from tiny import tiny_peft, tiny_tokenizer
+        from hf_invisiblelora.testing import tiny_peft, tiny_tokenizer
 
         tok, model = tiny_tokenizer(), tiny_peft("llama", strength=0.5, dtype=torch.float32)
         texts = ["the quick brown fox", "once upon a time", "hello world", "over the lazy dog"]
@@ -95,29 +94,18 @@ def synthetic(strength: float, n_adapters: int = 16, prompt_len: int = 32):
     or all 7 linear modules): needs no files, so it runs where the zoo cannot travel (a lent GPU).
     Speeds are those of the real shape; acceptance follows ``strength`` (the scale of the adapters'
     random B weights), not real text, and is reported with the results."""
-    from bench_kernels import SMOLLM2_135M, TARGETS
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_invisiblelora.testing import LINEAR, SMOLLM2_135M, smollm2_shaped
 
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).eval()
     names = [f"synthetic{i}" for i in range(n_adapters)]
     ranks = [(8, 16, 32, 64)[i % 4] for i in range(n_adapters)]
-    configs = [LoraConfig(r=r, lora_alpha=r, target_modules=TARGETS if i % 2 else TARGETS[:4], init_lora_weights=False)
-               for i, r in enumerate(ranks)]
-    model = get_peft_model(base, configs[0], adapter_name=names[0])
-    for name, config in zip(names[1:], configs[1:]):
-        model.add_adapter(name, config)
-    with torch.no_grad():
-        for n, w in model.named_parameters():
-            if "lora_B" in n:
-                w.mul_(strength)
+    model = smollm2_shaped({name: dict(r=r, lora_alpha=r, target_modules=LINEAR if i % 2 else LINEAR[:4])
+                            for i, (name, r) in enumerate(zip(names, ranks))}, strength)
 
     def prompts_for(name, n, seed):
         g = torch.Generator().manual_seed(1000 * names.index(name) + seed)
         return torch.randint(3, SMOLLM2_135M["vocab_size"], (n, prompt_len), generator=g).tolist()
 
-    return model.eval(), names, prompts_for
+    return model, names, prompts_for
 
 
 def workload(encode, names, prompts_for, n_adapters, batch):

@@ -21,14 +21,10 @@ import statistics
 import time
 
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_invisiblelora.bank import get_bank
+from hf_invisiblelora.testing import LINEAR, SMOLLM2_135M, smollm2_shaped
 
-SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_LORA_GB = 6.0  # PEFT's copy + the bank's; configs above it are skipped (RAM is shared)
 
 
@@ -45,13 +41,7 @@ def timed(fn, repeats, inner=1):
 
 
 def build(rank, n_adapters):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).eval()
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
-    pm = get_peft_model(model, config, adapter_name="ad0")
-    for i in range(1, n_adapters):
-        pm.add_adapter(f"ad{i}", config)
-    return pm.eval()
+    return smollm2_shaped({f"ad{i}": dict(r=rank, lora_alpha=2 * rank, target_modules=LINEAR) for i in range(n_adapters)})
 
 
 def bench_config(pm, layer, n_adapters, batch, repeats):

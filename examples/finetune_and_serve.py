@@ -20,7 +20,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
-import hf_invisiblelora  # noqa: F401  (lets PEFT models' generate() accept invisible_lora=True)
+import hf_invisiblelora  # lets PEFT models' generate() accept invisible_lora=True
 from hf_invisiblelora.zoo import assets, corpora
 
 TINY = os.environ.get("HF_INVISIBLELORA_EXAMPLE_TINY") == "1"
@@ -131,4 +131,4 @@ results = pipe(prompts, batch_size=len(prompts), invisible_lora=True, adapter_na
                do_sample=False, max_new_tokens=24, return_full_text=False)
 for name, result in zip(adapter_names, results):
     print(f"[{name}] {result[0]['generated_text']!r}")
-print("acceptance", round(model.invisible_lora_stats.acceptance_rate, 3))
+print("acceptance", round(hf_invisiblelora.state_of(model).stats.acceptance_rate, 3))

@@ -12,6 +12,7 @@ import contextlib
 
 from .bank import get_bank
 from .checks import lora_layers
+from .state import forwards
 
 
 class PeftSwitch:
@@ -23,21 +24,9 @@ class PeftSwitch:
         self.adapter_names = adapter_names if mixed else None
         self.mine, self.lora, self.rows = mine, True, None
 
-    @contextlib.contextmanager
     def installed(self):
-        saved = [(m, m.__dict__.get("forward")) for m in self.layers]
-        for m, _ in saved:
-            original = m.forward
-            m.forward = lambda x, *args, _m=m, _f=original, **kw: (
-                self._forward(_m, _f, x, *args, **kw) if self.mine() else _f(x, *args, **kw))
-        try:
-            yield self
-        finally:
-            for m, previous in saved:
-                if previous is None:
-                    del m.forward
-                else:
-                    m.forward = previous
+        return forwards({m: (lambda x, *args, _m=m, _f=m.forward, **kw: (
+            self._forward(_m, _f, x, *args, **kw) if self.mine() else _f(x, *args, **kw))) for m in self.layers})
 
     def _forward(self, m, original, x, *args, **kwargs):
         kwargs.pop("adapter_names", None)

@@ -56,7 +56,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         first call of a bucket pays the compilation (logged at INFO). ``state_of(model).clear()``
         drops them.
     With ``return_dict_in_generate=True`` the output has ``.stats`` (DecodingStats); the last
-    call's stats are also at ``model.invisible_lora_stats``. Calls on one model run one at a time.
+    call's stats are also at ``state_of(model).stats``. Calls on one model run one at a time.
     """
     check_options(gate, num_draft_tokens, lora_backend, compile)
     check_model(model)
@@ -96,8 +96,8 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         if compile_backend is None:
             fwd = EagerForward(inner, lora, RowLayout(inner, mask, positions, width, last_used))
         else:
-            fwd = CompiledForward(inner, state.buckets, lora, mask, positions, width, last_used, compile_backend,
-                                  range(1, num_draft_tokens + 2))
+            fwd = CompiledForward(inner, state.buckets, lora.bank, lora.row_slots, mask, positions, width, last_used,
+                                  compile_backend, range(1, num_draft_tokens + 2))
         rotary = StepRotary(inner, fwd.layout, state.mine)
         slot = recompute_slot(inner, prompt_len)
         with lora.installed(), rotary.installed():
@@ -122,9 +122,9 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         state.owner = threading.get_ident()
         try:
             out = inner.generate(input_ids, custom_generate=decode, **kwargs)
+            state.stats = stats
         finally:
             state.owner = None
-    model.invisible_lora_stats = stats
     return out
 
 

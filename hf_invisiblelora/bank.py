@@ -19,7 +19,7 @@ import torch
 from peft.tuners.lora.layer import LoraLayer
 
 from . import kernels
-from .state import state_of
+from .state import forwards, state_of
 
 # Sibling LoRA layers that read the same input tensor in the architectures we know. Their shrinks
 # become one matmul over the concatenated A (measured on the CPU: one shrink for q/k/v costs
@@ -266,20 +266,12 @@ class AdapterBank:
     def installed(self):
         """Route every LoRA layer's forward through base_layer(x) + bank delta for this thread;
         restore on exit."""
-        saved = []
         self.owner = threading.get_ident()
         self._original = {m: m.forward for _, m in self.modules}
         try:
-            for _, m in self.modules:
-                saved.append((m, m.__dict__.get("forward")))
-                m.forward = self._forwards[m]
-            yield self
+            with forwards({m: self._forwards[m] for _, m in self.modules}):
+                yield self
         finally:
-            for m, previous in saved:
-                if previous is None:
-                    del m.forward
-                else:
-                    m.forward = previous
             self.owner = None
             self._rows, self._metas = None, {}
             self._clear_groups()  # drop the references to the last inputs

@@ -137,13 +137,14 @@ def _copy_into(buffer, value):
 class CompiledForward:
     """Passes with fixed shapes (see the module docstring); same protocol as ``EagerForward``.
 
-    ``buckets``: the model's store of Bucket objects (kept across calls).
+    ``buckets``: the model's store of Bucket objects (kept across calls); ``row_slots``: each row's
+    adapter slot in ``bank``.
     """
 
-    def __init__(self, model, buckets: dict, lora, prompt_mask, positions, width: int, last_used: int,
+    def __init__(self, model, buckets: dict, bank, row_slots, prompt_mask, positions, width: int, last_used: int,
                  backend: str, widths: range):
         b = positions.shape[0]
-        self.model, self.bank, self.backend, self.widths = model, lora.bank, backend, widths
+        self.model, self.bank, self.backend, self.widths = model, bank, backend, widths
         self.b, self.rows, self.length = b, row_bucket(b), length_bucket(width)
         self.builds = 0
         key = (positions.device, model.dtype, self.rows, self.length)
@@ -156,7 +157,7 @@ class CompiledForward:
         mask, pos = _padded((prompt_mask, positions), self.rows)
         self.layout = RowLayout(model, mask, pos, self.length, last_used)
         self.row_slots = torch.full((self.rows,), -1, dtype=torch.long, device=positions.device)
-        self.row_slots[:b] = lora.row_slots
+        self.row_slots[:b] = row_slots
         self.fresh_metas = set()  # q whose metadata buffers hold this call's rows
 
     def __call__(self, ids, start, kv_len: int, keep: int, lora_on: bool = True, prefix=None, rows=None):

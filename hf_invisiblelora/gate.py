@@ -9,15 +9,12 @@ the gate picks k in 0..K minimising the expected time for the row expected to fi
                                                                       1 for __base__; r = tokens it has left)
     time(k)   = k * T_draft + T_verify(k + 1)                       (T_verify(1) = a plain step)
 
-Summing tokens over rows instead (the first version) drafted deep for the rows that accept most,
-which then sat finished while the rows that accept least set the call's length.
+and drafts only if that promises MARGIN more speed than plain steps.
 
-Acceptance is tracked per adapter (decayed success/trial counts, seeded by a prior; pooled over
-rows and calls: per-row estimates from a few cycles are noisy, and the slowest of many noisy rows
-reads too pessimistic, which then stops the drafting that would correct it); pass costs
-are measured from the passes themselves, per batch shape (rows, distinct adapters, eager or
-compiled) and tokens per row, as the median of the last few timings (one slow pass, from the OS
-or the allocator, moves nothing). Both live on the model, so later generate calls start informed.
+Acceptance is tracked per adapter (decayed success/trial counts, seeded by a prior, pooled over
+rows and calls); pass costs are measured from the passes themselves, per batch shape (rows,
+distinct adapters, eager or compiled) and tokens per row, as the median of the last few timings.
+Both live in the model's state (state.py), so later generate calls start informed.
 
 Exploring is cheap and gradual: with nothing measured it calibrates with the cheapest cycles (a
 plain step, then k = 1); a verify width not yet timed is extrapolated from the widths that were,
@@ -38,9 +35,8 @@ DECAY = 0.98  # per observed cycle: recent acceptance counts more (adapters drif
 COST_WINDOW = 8  # a pass's cost: the median of its last 8 timings
 PROBE_AFTER = 16  # cycles before re-checking the other side of the decision; doubles while the
 PROBE_MAX = 1024  # decision holds, up to this (one off-decision cycle per 1024 costs ~0.1%)
-MARGIN = 1.02  # draft only if it promises 2% more speed than plain steps: the estimates are noisy,
-# and a wrong "draft" costs more than a wrong "don't" (5% kept the gate from drafting where k = 1
-# measured 1.03-1.09x, with median costs and the slowest-row objective)
+MARGIN = 1.02  # draft only if it promises 2% more speed than plain steps (estimates are noisy, and a
+# wrong "draft" costs more than a wrong "don't"; docs/design.md has how this was set)
 
 
 @dataclass

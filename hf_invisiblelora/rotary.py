@@ -18,6 +18,8 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerationMixin
 
+from .state import forwards
+
 
 def length_dependent(module) -> bool:
     """A rotary module whose frequencies depend on max(position_ids) (Transformers' dynamic_rope_update)."""
@@ -64,23 +66,17 @@ class StepRotary:
         """Route the modules' forwards through ``_forward`` for this call's thread; on a clean exit
         leave them as standard decoding would (see ``finish``), on an exception as they were."""
         start = {m: _snapshot(m) for m in self.modules}
-        saved = [(m, m.__dict__.get("forward")) for m in self.modules]
-        for m, _ in saved:
-            self.originals[m] = original = m.forward
-            m.forward = lambda x, position_ids, *args, _m=m, _f=original, **kw: (
-                self._forward(_m, x, position_ids, *args, **kw) if self.mine() else _f(x, position_ids, *args, **kw))
+        self.originals = {m: m.forward for m in self.modules}
+        routed = {m: (lambda x, position_ids, *args, _m=m, _f=m.forward, **kw: (
+            self._forward(_m, x, position_ids, *args, **kw) if self.mine() else _f(x, position_ids, *args, **kw)))
+            for m in self.modules}
         try:
-            yield self
+            with forwards(routed):
+                yield self
         except BaseException:
             for m in self.modules:
                 _restore(m, start[m])
             raise
-        finally:
-            for m, previous in saved:
-                if previous is None:
-                    del m.forward
-                else:
-                    m.forward = previous
 
     def _forward(self, module, x, position_ids, *args, **kwargs):
         layout, original = self.layout, self.originals[module]

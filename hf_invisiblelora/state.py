@@ -1,5 +1,6 @@
 """What InvisibleLoRA keeps on a model between calls, in one place.
 
+    state_of(peft_model).stats        # the last call's DecodingStats
     state_of(peft_model).clear()      # drop it all (the adapter bank, the gate's measurements, compiled passes)
 
 One call at a time per model: ``state.lock`` serializes InvisibleLoRA calls on the same model
@@ -9,6 +10,7 @@ thread of the call in progress, so other threads running the model meanwhile get
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 
@@ -25,10 +27,11 @@ class ModelState:
     bank: object = None  # bank.AdapterBank, built on first use
     gate: GateMemory = field(default_factory=GateMemory)
     buckets: dict = field(default_factory=dict)  # forward.Bucket per (device, dtype, rows, cache length)
+    stats: object = None  # stats.DecodingStats of the last call
 
     def clear(self) -> None:
-        """Forget the bank, the gate's measurements and the compiled passes (rebuilt on next use)."""
-        self.bank, self.gate, self.buckets = None, GateMemory(), {}
+        """Forget the bank, the gate's measurements, the compiled passes and the last stats."""
+        self.bank, self.gate, self.buckets, self.stats = None, GateMemory(), {}, None
 
     def mine(self) -> bool:
         return self.owner == threading.get_ident()
@@ -41,3 +44,20 @@ def state_of(model) -> ModelState:
         with _CREATE:
             state = model.__dict__.setdefault(_ATTR, ModelState())
     return state
+
+
+@contextlib.contextmanager
+def forwards(replacements: dict):
+    """Give each module {module: forward} that instance forward for the duration of the block;
+    put back what was there after, also on errors."""
+    saved = [(m, m.__dict__.get("forward")) for m in replacements]
+    try:
+        for m, forward in replacements.items():
+            m.forward = forward
+        yield
+    finally:
+        for m, previous in saved:
+            if previous is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = previous

@@ -2,36 +2,24 @@
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from peft import LoraConfig
 
 from hf_invisiblelora.bank import get_bank
 from hf_invisiblelora.checks import check_model
+from hf_invisiblelora.testing import COMMON, tiny_peft
 
-TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=101)
-ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+VOCAB = 101
 # Different ranks, targets, alphas, rslora: a layer's stack mixes ranks and absent adapters.
 ADAPTERS = {
-    "math": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    "code": LoraConfig(r=8, lora_alpha=4, target_modules=["q_proj", "k_proj", "down_proj"], use_rslora=True),
-    "chat": LoraConfig(r=2, lora_alpha=3, target_modules="all-linear"),
-    "poem": LoraConfig(r=16, lora_alpha=16, target_modules=["o_proj", "gate_proj", "up_proj"]),
+    "math": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "code": dict(r=8, lora_alpha=4, target_modules=["q_proj", "k_proj", "down_proj"], use_rslora=True),
+    "chat": dict(r=2, lora_alpha=3, target_modules="all-linear"),
+    "poem": dict(r=16, lora_alpha=16, target_modules=["o_proj", "gate_proj", "up_proj"]),
 }
 
 
 def build(arch="llama", adapters=ADAPTERS, seed=0):
-    torch.manual_seed(seed)
-    config_cls, model_cls = ARCHS[arch]
-    model = model_cls(config_cls(**TINY)).double().eval()
-    pm = None
-    for name, config in adapters.items():
-        config = LoraConfig(**{**config.to_dict(), "init_lora_weights": False})  # random B: visible deltas
-        if pm is None:
-            pm = get_peft_model(model, config, adapter_name=name)
-        else:
-            pm.add_adapter(name, config)
-    return pm.eval()
+    return tiny_peft(arch, vocab=VOCAB, adapters=adapters, seed=seed)
 
 
 def peft_logits(pm, ids, names):
@@ -50,7 +38,7 @@ def assert_same(a, b):
     assert (a - b).abs().max().item() < 1e-9
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("names", [
     ["math", "__base__", "chat", "code", "math", "poem"],  # mixed, a no-LoRA row, a repeat
     ["poem", "poem", "poem"],
@@ -59,13 +47,13 @@ def assert_same(a, b):
 ])
 def test_logits_match_peft(arch, names):
     pm = build(arch)
-    ids = torch.randint(0, TINY["vocab_size"], (len(names), 3))
+    ids = torch.randint(0, VOCAB, (len(names), 3))
     assert_same(bank_logits(pm, ids, names), peft_logits(pm, ids, names))
 
 
 def test_no_lora_batch_is_the_base_model():
     pm = build()
-    ids = torch.randint(0, TINY["vocab_size"], (3, 2))
+    ids = torch.randint(0, VOCAB, (3, 2))
     base = peft_logits(pm, ids, ["__base__"] * 3)
     assert_same(bank_logits(pm, ids, None), base)
     assert_same(bank_logits(pm, ids, ["__base__"] * 3), base)
@@ -75,7 +63,7 @@ def test_no_lora_batch_is_the_base_model():
 def test_cache_survives_draft_passes_and_batches_change():
     pm = build()
     bank = get_bank(pm)
-    ids = torch.randint(0, TINY["vocab_size"], (2, 1))
+    ids = torch.randint(0, VOCAB, (2, 1))
     with torch.no_grad(), bank.installed():
         bank.set_batch(bank.slots(["math", "code"]))
         pm(ids)
@@ -93,13 +81,13 @@ def test_cache_survives_draft_passes_and_batches_change():
 
 def test_get_bank_follows_add_delete_and_scale():
     pm = build(adapters={k: ADAPTERS[k] for k in ("math", "code")})
-    ids = torch.randint(0, TINY["vocab_size"], (3, 2))
+    ids = torch.randint(0, VOCAB, (3, 2))
     bank = get_bank(pm)
     assert bank.adapter_names == ["math", "code"]
     version = bank.version
     assert get_bank(pm) is bank and bank.version == version  # no rebuild
 
-    pm.add_adapter("chat", LoraConfig(r=2, lora_alpha=3, target_modules="all-linear", init_lora_weights=False))
+    pm.add_adapter("chat", LoraConfig(init_lora_weights=False, **ADAPTERS["chat"]))
     names = ["chat", "math", "code"]
     assert_same(bank_logits(pm, ids, names), peft_logits(pm, ids, names))
     assert get_bank(pm) is bank and bank.adapter_names == ["math", "code", "chat"]
@@ -117,7 +105,7 @@ def test_get_bank_follows_add_delete_and_scale():
 
 def test_in_place_weight_update_is_picked_up():
     pm = build(adapters={"math": ADAPTERS["math"]})
-    ids = torch.randint(0, TINY["vocab_size"], (1, 2))
+    ids = torch.randint(0, VOCAB, (1, 2))
     bank_logits(pm, ids, ["math"])
     with torch.no_grad():
         next(m for m in get_bank(pm).layers).lora_B["math"].weight.mul_(3)
@@ -139,13 +127,13 @@ def test_an_input_that_is_not_the_batch_tokens_is_reported():
     bank = get_bank(pm)
     with torch.no_grad(), bank.installed(), pytest.raises(ValueError, match="got 5 tokens for 2 rows"):
         bank.set_batch(bank.slots(["math", "math"]))
-        pm.base_model.model.model.layers[0].self_attn.q_proj(torch.zeros(5, TINY["hidden_size"], dtype=torch.float64))
+        pm.base_model.model.model.layers[0].self_attn.q_proj(torch.zeros(5, COMMON["hidden_size"], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("config, problem", [
-    (LoraConfig(r=4, target_modules=["q_proj"], use_dora=True), "LoRA variant"),
-    (LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True), "lora_bias"),
-    (LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]), "Linear layers"),
+    (dict(r=4, target_modules=["q_proj"], use_dora=True), "LoRA variant"),
+    (dict(r=4, target_modules=["q_proj"], lora_bias=True), "lora_bias"),
+    (dict(r=4, target_modules=["embed_tokens", "q_proj"]), "Linear layers"),
 ])
 def test_unsupported_layers_are_refused(config, problem):
     with pytest.raises(ValueError, match=problem):
@@ -166,13 +154,13 @@ def test_siblings_share_one_shrink_only_for_the_same_input(monkeypatch):
     real = bank.ops.lora_shrink
     monkeypatch.setattr(bank.ops, "lora_shrink", lambda *a, **k: shrinks.append(1) or real(*a, **k))
     names = ["code", "chat"]
-    ids = torch.randint(0, TINY["vocab_size"], (2, 3))
+    ids = torch.randint(0, VOCAB, (2, 3))
     assert_same(bank_logits(pm, ids, names), peft_logits(pm, ids, names))
     assert len(shrinks) == 2 * 4  # per decoder layer: q/k/v, o, gate/up, down
 
     # Siblings called on different inputs each get their own (correct) shrink.
     attn = pm.base_model.model.model.layers[0].self_attn
-    x1, x2 = torch.randn(2, 3, TINY["hidden_size"], dtype=torch.float64).unbind(0)
+    x1, x2 = torch.randn(2, 3, COMMON["hidden_size"], dtype=torch.float64).unbind(0)
     x1, x2 = x1[None].expand(2, 3, -1).contiguous(), x2[None].expand(2, 3, -1).contiguous()
     with torch.no_grad():
         expected = attn.q_proj(x1, adapter_names=names), attn.k_proj(x2, adapter_names=names)
@@ -187,7 +175,7 @@ def test_greedy_decoding_matches_peft():
     """Prefill (5 tokens per row) then 1-token steps with a KV cache: same tokens as stock PEFT."""
     pm = build("qwen2")
     names = ["poem", "__base__", "code", "chat"]
-    prompt = torch.randint(0, TINY["vocab_size"], (len(names), 5))
+    prompt = torch.randint(0, VOCAB, (len(names), 5))
 
     def greedy(step):
         ids, cache, tokens = prompt, None, []

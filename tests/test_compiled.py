@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from hf_invisiblelora import forward as compiled
 from hf_invisiblelora.bank import get_bank
 from hf_invisiblelora.state import state_of
-from tiny import prompts, tiny_peft
+from hf_invisiblelora.testing import prompts, tiny_peft
 
 ROWS = ["a", "b", "__base__", "c", "d", "a", "b"]  # 7 rows: padded to a bucket of 8
 

@@ -5,7 +5,6 @@ import threading
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from transformers import (
     FalconConfig,
     FalconForCausalLM,
@@ -23,25 +22,16 @@ from transformers import (
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.checks import lora_layers
-from tiny import ADAPTERS, COMMON, PAD, prompts, tiny_peft
+from hf_invisiblelora.testing import ADAPTERS, COMMON, PAD, prompts, tiny_peft, with_adapters
 
 ROWS = ["a", "b", "__base__", "c", "d", "a", "b"]
 LENGTHS = [5, 9, 3, 7, 9, 1, 6]
 
 
 def wrap(base, adapters=("a", "b", "c", "d"), strength=0.6, seed=0, **extra):
-    """PEFT adapters (tiny.ADAPTERS, random B) on ``base``; ``extra`` overrides their LoraConfig."""
+    """PEFT adapters (testing.ADAPTERS, random B) on ``base`` in float64; ``extra`` overrides their LoraConfig."""
     torch.manual_seed(seed)
-    base = base.double().eval()
-    model = None
-    for name in adapters:
-        config = LoraConfig(init_lora_weights=False, **{**ADAPTERS[name], **extra})
-        model = get_peft_model(base, config, adapter_name=name) if model is None else model.add_adapter(name, config) or model
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.mul_(strength)
-    return model.eval()
+    return with_adapters(base.double().eval(), {n: {**ADAPTERS[n], **extra} for n in adapters}, strength)
 
 
 def stock(model, ids, mask, names=ROWS, **kw):
@@ -96,14 +86,8 @@ def test_phi3_longrope_crossing_the_original_length():
 
 def _phi3_peft(base):
     torch.manual_seed(1)
-    model = get_peft_model(base.double().eval(), LoraConfig(r=4, target_modules=["qkv_proj", "o_proj"],
-                                                            init_lora_weights=False), adapter_name="p")
-    model.add_adapter("q", LoraConfig(r=8, target_modules=["gate_up_proj", "down_proj"], init_lora_weights=False))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.mul_(0.6)
-    return model.eval()
+    return with_adapters(base.double().eval(), {"p": dict(r=4, target_modules=["qkv_proj", "o_proj"]),
+                                                "q": dict(r=8, target_modules=["gate_up_proj", "down_proj"])}, 0.6)
 
 
 def test_llama_dynamic_ntk():

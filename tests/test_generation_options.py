@@ -22,7 +22,6 @@ from typing import Callable
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -35,7 +34,7 @@ from transformers.generation import logits_process as lp
 
 import hf_invisiblelora  # noqa: F401  (makes generate() accept invisible_lora=True)
 from options_catalog import CATALOG, enumerate_classes
-from tiny import EOS, PAD, prompts, tiny_peft, tiny_tokenizer
+from hf_invisiblelora.testing import EOS, PAD, chi_square_p, prompts, tiny_peft, tiny_tokenizer
 
 ROWS = ["a", "b", "__base__", "c", "d", "a", "b"]
 LENGTHS = [5, 9, 3, 7, 9, 1, 6]
@@ -561,25 +560,6 @@ def exact(model, adapter, processors, steps=STEPS):
     return dist
 
 
-def p_value(samples, dist):
-    cells = sorted(dist, key=dist.get)
-    observed = [sum(1 for s in samples if s == c) for c in cells]
-    if sum(observed) < len(samples):
-        return 0.0  # a sample outside the target's support is impossible under the target
-    expected = [dist[c] * len(samples) for c in cells]
-    obs, exp, o, e = [], [], 0, 0.0  # merge rare cells: every expected count >= 5
-    for oi, ei in zip(observed, expected):
-        o, e = o + oi, e + ei
-        if e >= 5:
-            obs.append(o), exp.append(e)
-            o, e = 0, 0.0
-    obs[-1] += o
-    exp[-1] += e
-    if len(obs) == 1:
-        return 1.0
-    return chisquare(obs, exp).pvalue
-
-
 @pytest.fixture(scope="module")
 def smodel():
     model = tiny_peft("llama", vocab=SVOCAB, adapters=("b", "d"), strength=1.5, seed=1)
@@ -601,9 +581,9 @@ def test_sampling_keeps_the_target_distribution(smodel, case):
                           return_dict_in_generate=True, **case.kwargs)
     samples = [tuple(r) for r in out.sequences[:, PROMPT.shape[1]:].tolist()]
     lora, base = samples[:SB], samples[SB:]
-    assert p_value(lora, target["b"]) > 1e-3
-    assert p_value(base, target["__base__"]) > 1e-3
-    assert p_value(lora, without) < 1e-6  # the test has power: the option's effect is visible in the samples
+    assert chi_square_p(lora, target["b"]) > 1e-3
+    assert chi_square_p(base, target["__base__"]) > 1e-3
+    assert chi_square_p(lora, without) < 1e-6  # the test has power: the option's effect is visible in the samples
     assert sum(out.stats.drafted) > sum(out.stats.accepted) > 0  # drafts were accepted and rejected
 
 

@@ -5,7 +5,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_invisiblelora
-from tiny import ARCHS, PAD, prompts, tiny_peft
+from hf_invisiblelora.state import state_of
+from hf_invisiblelora.testing import ARCHS, PAD, prompts, tiny_peft
 
 ROWS = ["a", "b", "__base__", "c", "d", "a", "b"]
 LENGTHS = [5, 9, 3, 7, 9, 1, 6]
@@ -121,7 +122,7 @@ def test_statistics_add_up():
     ids, mask = prompts(LENGTHS)
     out = invisible(model, ids, mask, ROWS, max_new_tokens=11, num_draft_tokens=3, return_dict_in_generate=True)
     s = out.stats
-    assert s is model.invisible_lora_stats
+    assert s is state_of(model).stats
     assert all(0 <= a <= d for a, d in zip(s.accepted, s.drafted))
     assert s.committed == [11] * len(ROWS)  # no EOS here: every row got its max_new_tokens
     assert sum(s.k_per_cycle) == s.draft_passes and len(s.k_per_cycle) == s.cycles
@@ -143,7 +144,7 @@ def test_plain_tensor_return_and_explicit_function():
                                     max_new_tokens=6)
     assert isinstance(out, torch.Tensor)
     assert torch.equal(out, standard(model, ids, mask, ["b", "c"], max_new_tokens=6))
-    assert model.invisible_lora_stats.cycles > 0
+    assert state_of(model).stats.cycles > 0
 
 
 def test_default_adapter_is_the_active_one():
@@ -153,7 +154,7 @@ def test_default_adapter_is_the_active_one():
     ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6, invisible_lora=True)
     assert torch.equal(out, ref)
-    assert model.invisible_lora_stats.adapter_names == ["c", "c"]
+    assert state_of(model).stats.adapter_names == ["c", "c"]
 
 
 def test_adapters_loaded_from_disk(tmp_path):
@@ -185,7 +186,7 @@ def test_peft_backend_identical(arch):
 def test_adapters_added_deleted_and_rescaled_between_calls():
     from peft import LoraConfig
 
-    from tiny import ADAPTERS
+    from hf_invisiblelora.testing import ADAPTERS
 
     model = tiny_peft("llama", adapters=("a", "b"), strength=0.6)
     ids, mask = prompts([4, 6, 5])

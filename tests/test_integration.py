@@ -6,7 +6,8 @@ from transformers import TextStreamer, pipeline
 from transformers.generation.streamers import BaseStreamer
 
 import hf_invisiblelora  # noqa: F401  (makes generate() accept invisible_lora=True)
-from tiny import prompts, tiny_peft, tiny_tokenizer
+from hf_invisiblelora.state import state_of
+from hf_invisiblelora.testing import prompts, tiny_peft, tiny_tokenizer
 
 PROMPTS = ["the quick brown", "once upon a time", "hello"]
 NAMES = ["a", "b", "__base__"]
@@ -29,7 +30,7 @@ def test_pipeline_greedy_matches_standard(model, tok):
     ref = pipe(PROMPTS, **kw)
     out = pipe(PROMPTS, invisible_lora=True, num_draft_tokens=3, **kw)
     assert out == ref
-    assert model.invisible_lora_stats.adapter_names == NAMES
+    assert state_of(model).stats.adapter_names == NAMES
 
 
 def test_pipeline_default_sampling(model, tok):
@@ -37,7 +38,7 @@ def test_pipeline_default_sampling(model, tok):
     pipe = pipeline("text-generation", model=model, tokenizer=tok)
     out = pipe(PROMPTS, invisible_lora=True, adapter_names=NAMES, batch_size=len(PROMPTS), max_new_tokens=6)
     assert [o[0]["generated_text"].startswith(p) for o, p in zip(out, PROMPTS)] == [True] * 3
-    assert model.invisible_lora_stats.cycles > 0
+    assert state_of(model).stats.cycles > 0
 
 
 def test_pipeline_with_one_prompt_per_call_explains_the_fix(model, tok):
@@ -66,7 +67,7 @@ def test_streamer_receives_committed_tokens(model):
     assert rec.chunks[0] == ids[0].tolist() and rec.ended
     assert sum(rec.chunks[1:], []) == out[0, ids.shape[1]:].tolist()
     # Tokens arrive as cycles commit them: several at once when drafts were accepted.
-    assert len(rec.chunks) - 1 == model.invisible_lora_stats.cycles + 1
+    assert len(rec.chunks) - 1 == state_of(model).stats.cycles + 1
 
 
 def test_text_streamer_prints(model, tok, capsys):

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import hf_invisiblelora  # noqa: F401  (makes generate() accept invisible_lora=True)
 
-from tiny import tiny_peft
+from hf_invisiblelora.testing import chi_square_p, tiny_peft
 
 VOCAB, N, TEMPERATURE, TOP_K = 8, 3000, 0.8, 3
 SUPPRESS = [0, 1]  # pad and EOS never sampled, so every row generates exactly 3 tokens
@@ -45,24 +44,6 @@ def sampled(model, adapters, k, seed):
     return [tuple(r) for r in out.sequences[:, PROMPT.shape[1]:].tolist()], out.stats
 
 
-def p_value(samples, dist):
-    cells = sorted(dist, key=dist.get)
-    observed = [sum(1 for s in samples if s == c) for c in cells]
-    if sum(observed) < len(samples):
-        return 0.0  # a sample outside the target's support is impossible under the target
-    expected = [dist[c] * len(samples) for c in cells]
-    # Merge rare cells so every expected count is >= 5 (chi-square validity).
-    obs, exp, o, e = [], [], 0, 0.0
-    for oi, ei in zip(observed, expected):
-        o, e = o + oi, e + ei
-        if e >= 5:
-            obs.append(o), exp.append(e)
-            o, e = 0, 0.0
-    obs[-1] += o
-    exp[-1] += e
-    return chisquare(obs, exp).pvalue
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_peft("llama", vocab=VOCAB, adapters=("b", "d"), strength=1.5, seed=1)
@@ -75,11 +56,11 @@ def test_first_tokens_follow_the_target_distribution(model, k):
     rows = ["b"] * (N // 2) + ["__base__"] * (N // 2)
     samples, stats = sampled(model, rows, k, seed=k)
     lora, base = samples[: N // 2], samples[N // 2 :]
-    assert p_value(lora, target["b"]) > 1e-3
-    assert p_value(base, target["__base__"]) > 1e-3
+    assert chi_square_p(lora, target["b"]) > 1e-3
+    assert chi_square_p(base, target["__base__"]) > 1e-3
     # The test has power: the adapter's samples are far from the base distribution, and drafts
     # were really rejected and resampled (the residual path ran).
-    assert p_value(lora, target["__base__"]) < 1e-6
+    assert chi_square_p(lora, target["__base__"]) < 1e-6
     per = stats.per_adapter
     assert 0.2 < per["b"]["acceptance"] < 0.95
     assert per["__base__"]["acceptance"] == 1.0

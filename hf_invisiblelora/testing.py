@@ -1,10 +1,17 @@
-"""Tiny random models for every causal-LM architecture in Transformers (an "architecture sweep").
+"""Tiny random models, adapters, prompts and a tokenizer for tests and benchmarks, built in memory
+(no downloads), like ``transformers.testing_utils``.
 
-``tiny_config`` derives a tiny config from the architecture's default config by rules on attribute
-names (hidden sizes, layer counts, heads, experts, ...), so new architectures are covered without a
-hand-written table. ``sweep_case`` builds the model in float64 and wraps it with two PEFT LoRA
-adapters ("a": all-linear r=4, "b": r=2 on attention-like projections), the way the lossless tests
-use models. Per-type overrides exist only where a generic rule cannot work; each says why.
+- ``tiny_peft``: tiny Llama / Qwen2 / Gemma 3 models with LoRA adapters of different ranks,
+  targets, alpha and rslora; ``prompts``: left-padded random prompts; ``tiny_tokenizer``.
+- ``smollm2_shaped``: SmolLM2-135M's shape with random weights and adapters (benchmarks that need
+  a real model's costs but no files).
+- The architecture sweep: a tiny random model for every causal-LM architecture in Transformers.
+  ``tiny_config`` derives it from the architecture's default config by rules on attribute names
+  (hidden sizes, layer counts, heads, experts, ...), so new architectures are covered without a
+  hand-written table; ``sweep_case`` builds it in float64 and wraps it with two PEFT LoRA adapters
+  ("a": all-linear r=4, "b": r=2 on attention-like projections); ``sweep_verdict`` compares
+  ``invisible_lora=True`` with stock. Per-type overrides exist only where a generic rule cannot
+  work; each says why.
 """
 
 from __future__ import annotations
@@ -17,8 +24,124 @@ import warnings
 
 import torch
 
+from peft import LoraConfig, get_peft_model
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
 from .checks import lora_layers
 from .rotary import length_dependent
+
+# Tiny Llama / Qwen2 / Gemma 3 with LoRA adapters.
+PAD, EOS = 0, 1
+COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
+ARCHS = {
+    "llama": lambda v: LlamaForCausalLM(LlamaConfig(vocab_size=v, **COMMON)),
+    "qwen2": lambda v: Qwen2ForCausalLM(Qwen2Config(vocab_size=v, **COMMON)),
+    # A window of 5 makes the sliding-window layers really slide in short tests.
+    "gemma3": lambda v: Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=v, head_dim=8, sliding_window=5, layer_types=["sliding_attention", "full_attention"], **COMMON)),
+}
+LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Different ranks, targets, alpha and rslora, as public adapters differ.
+ADAPTERS = {
+    "a": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "b": dict(r=8, lora_alpha=8, target_modules=LINEAR),
+    "c": dict(r=2, lora_alpha=4, use_rslora=True, target_modules=["o_proj", "down_proj"]),
+    "d": dict(r=16, lora_alpha=16, target_modules=["up_proj", "v_proj"]),
+}
+
+
+def with_adapters(base, adapters: dict, strength: float = 1.0):
+    """``base`` wrapped by PEFT with ``adapters`` ({name: LoraConfig kwargs}), random B weights scaled
+    by ``strength`` (so they change the output: larger moves it further from the base model)."""
+    model = None
+    for name, kwargs in adapters.items():
+        config = LoraConfig(**{"init_lora_weights": False, **kwargs})
+        if model is None:
+            model = get_peft_model(base, config, adapter_name=name)
+        else:
+            model.add_adapter(name, config)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(strength)
+    return model.eval()
+
+
+def tiny_peft(arch="llama", vocab=64, adapters=("a", "b", "c", "d"), strength=1.0, seed=0, dtype=torch.float64):
+    """A tiny random model with LoRA adapters: names from ADAPTERS, or a dict {name: LoraConfig kwargs}."""
+    torch.manual_seed(seed)
+    base = ARCHS[arch](vocab).to(dtype).eval()
+    adapters = adapters if isinstance(adapters, dict) else {n: ADAPTERS[n] for n in adapters}
+    return with_adapters(base, adapters, strength)
+
+
+def prompts(lengths, vocab=64, seed=0, low=2):
+    """Left-padded random prompts of the given lengths (token ids from ``low``): (input_ids, attention_mask)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(low, vocab, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+def tiny_tokenizer():
+    """A character-level BPE tokenizer trained in memory (<pad> = 0, <eos> = 1), left padding."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    text = ["the quick brown fox jumps over the lazy dog", "once upon a time there was a cat", "hello world"] * 20
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=64, special_tokens=["<pad>", "<eos>", "<unk>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   padding_side="left")
+
+
+def chi_square_p(samples: list, dist: dict) -> float:
+    """p-value of a chi-square test that ``samples`` come from ``dist`` ({outcome: probability}).
+    Rare cells are merged so every expected count is >= 5; a sample outside the support gives 0."""
+    from scipy.stats import chisquare
+
+    cells = sorted(dist, key=dist.get)
+    observed = [sum(1 for s in samples if s == c) for c in cells]
+    if sum(observed) < len(samples):
+        return 0.0  # a sample outside the target's support is impossible under the target
+    expected = [dist[c] * len(samples) for c in cells]
+    obs, exp, o, e = [], [], 0, 0.0
+    for oi, ei in zip(observed, expected):
+        o, e = o + oi, e + ei
+        if e >= 5:
+            obs.append(o), exp.append(e)
+            o, e = 0, 0.0
+    obs[-1] += o
+    exp[-1] += e
+    return 1.0 if len(obs) == 1 else chisquare(obs, exp).pvalue
+
+
+# SmolLM2-135M's shape with random weights.
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+
+
+def smollm2_shaped(adapters: dict, strength: float = 1.0, seed: int = 0):
+    """SmolLM2-135M's shape (float32, random weights) with ``adapters`` ({name: LoraConfig kwargs})."""
+    torch.manual_seed(seed)
+    return with_adapters(LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).eval(), adapters, strength)
+
+
+# The architecture sweep.
 
 # Target sizes. 4 heads x 16 = 64 hidden; 2 KV heads keep grouped-query attention grouped.
 HIDDEN = 64
@@ -738,18 +861,6 @@ SWEEP_NAMES = ["a", "__base__", "b"]
 SWEEP_NEW = 12
 
 
-def sweep_prompts(lengths, vocab=64, seed=0):
-    """Left-padded random prompts (pad 0; tokens from 3, clear of pad / eos / bos)."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, vocab, (n,), generator=g)
-        mask[i, width - n:] = 1
-    return ids, mask
-
-
 def _stock(model, ids, mask):
     """Stock greedy decoding, or None when its logits are not finite (some architectures' padded rows
     are NaN in stock Transformers: nothing to compare)."""
@@ -780,13 +891,13 @@ def sweep_verdict(arch, edit=None):
         return "skipped", note
     if edit is dynamic_rope and not any(length_dependent(m) for m in model.modules()):
         return "skipped", "no rotary embedding that takes rope_parameters['rope_type'] = 'dynamic'"
-    ids, mask = sweep_prompts([3, 6, 5])
+    ids, mask = prompts([3, 6, 5], low=3)  # tokens clear of pad / eos / bos
     try:
         ref = _stock(model, ids, mask)
     except Exception as e:  # a Transformers bug: nothing to compare
         return "skipped", f"stock generate fails: {type(e).__name__}: {e}"
     if ref is None:  # compare without padding
-        ids, mask = sweep_prompts([6, 6, 6])
+        ids, mask = prompts([6, 6, 6], low=3)
         ref = _stock(model, ids, mask)
         note = "; ".join(filter(None, [note, "unpadded prompts (stock's padded rows are not finite)"]))
     assert ref is not None, "stock decoding is not finite"

@@ -1,0 +1,93 @@
+"""What it costs to see adapter changes: the adapter bank's per-call sync.
+
+Every ``generate(invisible_lora=True)`` call compares each adapter's weights and scaling with the
+bank's stacks, exactly (so edits through ``.data``, which no version counter records, are seen too).
+Measured on SmolLM2-135M's shape with 16 random adapters (ranks 8-64; benchmarks/bench_decoding.py's
+synthetic model) and on the zoo's four demo adapters, next to one generate call for scale.
+
+    python benchmarks/bench_sync.py [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import hf_invisiblelora  # noqa: F401
+from hf_invisiblelora.bank import get_bank
+from hf_invisiblelora.state import state_of
+
+
+def timed(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(label, model, names, encode, repeats):
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    state_of(model).clear()
+    start = time.perf_counter()
+    bank = get_bank(model)
+    build = time.perf_counter() - start
+    unchanged = timed(lambda: get_bank(model), repeats)
+    layer = next(iter(bank.layers))
+    weight = layer.lora_B[names[0]].weight
+
+    def edited():
+        weight.data.mul_(1.0 + 1e-3)  # a .data edit: no version counter sees it
+        get_bank(model)
+
+    one_changed = timed(edited, repeats)
+    rows = [names[i % len(names)] for i in range(8)]
+    enc = encode(rows)
+    with torch.no_grad():
+        call = timed(lambda: model.generate(**enc, adapter_names=rows, max_new_tokens=32, do_sample=False,
+                                            invisible_lora=True, gate="never"), max(1, repeats // 3))
+    print(f"| {label} | {len(names)} | {adapter_bytes / 2**20:.0f} MiB | {1000 * build:.0f} ms | "
+          f"{1000 * unchanged:.1f} ms | {1000 * one_changed:.1f} ms | {call:.2f} s ({100 * unchanged / call:.1f}%) |")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    from bench_decoding import synthetic  # noqa: E402  (benchmarks/ is this script's folder)
+
+    print(f"CPU: {platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}\n")
+    print("| model | adapters | adapter weights | first build | sync, nothing changed | sync, one layer's "
+          "weight edited via .data | a generate call (8 rows, 32 new tokens, gate never) |")
+    print("|---|---|---|---|---|---|---|")
+    model, names, prompts_for = synthetic(0.3)
+
+    def encode_synthetic(rows):
+        ids = torch.tensor([prompts_for(name, 1, seed=i)[0] for i, name in enumerate(rows)])
+        return dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+    measure("SmolLM2-135M shape, random", model, names, encode_synthetic, args.repeats)
+    from hf_invisiblelora import zoo
+    from hf_invisiblelora.zoo.demo import DEMO_ADAPTERS
+
+    model, tok, names = zoo.load_zoo("smollm2", DEMO_ADAPTERS)
+    tok.padding_side = "left"
+    domains = {n: e["domain"] for n, e in zoo.read_manifest(zoo.zoo_dir("smollm2"))["adapters"].items()}
+
+    def encode_zoo(rows):
+        texts = [zoo.heldout_prompts(domains[n], tok, 1, 32, seed=i)[0] for i, n in enumerate(rows)]
+        return tok(texts, return_tensors="pt", padding=True)
+
+    measure("SmolLM2-135M-Instruct + zoo", model, names, encode_zoo, args.repeats)
+    print("\ncommand: python benchmarks/bench_sync.py " + " ".join(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()
