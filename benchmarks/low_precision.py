@@ -11,14 +11,14 @@ logit of ours at that step (stock's logits as its own decoding computed them, ou
 in units of the dtype's spacing at that logit's magnitude. Stock's own noise at that point: the
 same margin when stock computes that row's prefix alone (a batch of one, no padding) instead of
 in its batch. A divergence is at a near tie if the gap is at most 4 units, or at most the amount
-by which stock's own margin moves between those two computations (stock could flip there too).
+by which stock's own margin moves between those two computations (stock could flip there too;
+hf_invisiblelora.testing.divergences).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
 from pathlib import Path
@@ -27,35 +27,8 @@ import torch
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora import zoo
+from hf_invisiblelora.testing import all_near_ties, divergences
 from hf_invisiblelora.zoo.demo import DEMO_ADAPTERS
-
-NEAR_TIE_UNITS = 4
-
-
-def spacing(x: float, dtype) -> float:
-    """The distance between representable numbers of ``dtype`` at magnitude |x|."""
-    mantissa = {torch.bfloat16: 7, torch.float16: 10}[dtype]
-    return 2.0 ** (math.floor(math.log2(max(abs(x), 1e-30))) - mantissa)
-
-
-def compare(model, names, stock, logits, mask, ours, prompt_len, dtype):
-    """Per row: None if identical, else (step, gap, stock's own noise), both in spacing units."""
-    out = []
-    for row in range(stock.shape[0]):
-        a, b = stock[row, prompt_len:].tolist(), ours[row, prompt_len:].tolist()
-        step = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if step is None:
-            out.append(None)
-            continue
-        step_logits = logits[step][row].float()
-        unit = spacing(float(step_logits[a[step]]), dtype)
-        gap = float(step_logits[a[step]] - step_logits[b[step]])
-        prefix = stock[row, : prompt_len + step][torch.cat([mask[row].bool(), torch.ones(step, dtype=torch.bool)])]
-        alone = model(input_ids=prefix[None], adapter_names=[names[row]]).logits[0, -1].float()
-        noise = abs(gap - float(alone[a[step]] - alone[b[step]]))
-        out.append((step, gap / unit, noise / unit))
-    return out
-
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -88,15 +61,15 @@ def main(argv=None):
             for backend in results:
                 out = model.generate(**enc, **kw, invisible_lora=True, lora_backend="bank" if backend == "default" else "peft",
                                      gate="always", num_draft_tokens=4)
-                results[backend] += compare(model, names_b, ref.sequences, ref.logits, enc.attention_mask, out,
-                                            enc.input_ids.shape[1], dtype)
+                diverged = divergences(model, names_b, ref, out, enc.attention_mask, enc.input_ids.shape[1])
+                results[backend] += [diverged.get(row) for row in range(len(names_b))]
     summary = {}
     for backend, per_row in results.items():
         diverged = [d for d in per_row if d is not None]
         summary[backend] = dict(rows=len(per_row), identical=len(per_row) - len(diverged),
                                 divergences=[dict(step=s, gap_units=round(g, 2), stock_noise_units=round(n, 2))
                                              for s, g, n in diverged],
-                                all_near_ties=all(abs(g) <= max(NEAR_TIE_UNITS, n) for _, g, n in diverged))
+                                all_near_ties=all_near_ties(dict(enumerate(diverged))))
         print(f"{backend:>8}: {summary[backend]['identical']}/{len(per_row)} rows identical to stock; divergences "
               f"(gap / stock's own noise, units of {args.dtype} spacing): "
               f"{[(round(g, 1), round(n, 1)) for _, g, n in diverged]}; all near ties: {summary[backend]['all_near_ties']}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import math
 import re
 import warnings
 
@@ -128,6 +129,48 @@ def chi_square_p(samples: list, dist: dict) -> float:
     obs[-1] += o
     exp[-1] += e
     return 1.0 if len(obs) == 1 else chisquare(obs, exp).pvalue
+
+
+def spacing(x: float, dtype) -> float:
+    """The distance between neighbouring numbers of ``dtype`` at magnitude |x|."""
+    mantissa = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}[dtype]
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 1e-30))) - mantissa)
+
+
+NEAR_TIE_UNITS = 4
+
+
+def divergences(model, names, stock, ours, mask, prompt_len: int) -> dict:
+    """Where ``ours`` leaves ``stock``'s greedy tokens, and how close to a tie stock was there.
+
+    ``stock``: generate(..., output_logits=True, return_dict_in_generate=True) output; ``ours``:
+    sequences; ``names``: each row's adapter; ``mask``: the prompts' attention mask. Returns {row:
+    (step, gap, noise)}: the first differing step; stock's logit of its token minus its logit of ours
+    there; and how much that margin moves when stock computes the row's prefix alone (a batch of
+    one, no padding) instead of in its batch; both in units of the model dtype's spacing at that
+    logit. A divergence is at a near tie if gap <= max(NEAR_TIE_UNITS, noise): stock itself could
+    have chosen either token.
+    """
+    out = {}
+    seqs = stock.sequences
+    for row in range(seqs.shape[0]):
+        a, b = seqs[row, prompt_len:].tolist(), ours[row, prompt_len:].tolist()
+        step = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if step is None:
+            continue
+        a, b = a[step], b[step]
+        logits = stock.logits[step][row].float()
+        unit = spacing(float(logits[a]), model.dtype)
+        prefix = seqs[row, : prompt_len + step][torch.cat([mask[row].bool(), mask.new_ones(step, dtype=torch.bool)])]
+        with torch.no_grad():
+            alone = model(input_ids=prefix[None], adapter_names=[names[row]]).logits[0, -1].float()
+        gap = float(logits[a] - logits[b])
+        out[row] = (step, gap / unit, abs(gap - float(alone[a] - alone[b])) / unit)
+    return out
+
+
+def all_near_ties(diverged: dict) -> bool:
+    return all(gap <= max(NEAR_TIE_UNITS, noise) for _, gap, noise in diverged.values())
 
 
 # SmolLM2-135M's shape with random weights.

@@ -118,4 +118,4 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, B: torch.Tensor, meta, round
     if round_delta or delta.dtype == out.dtype:
         out.index_add_(0, idx, delta.to(out.dtype))
     else:
-        out.index_copy_(0, idx, out.index_select(0, idx).to(delta.dtype) + delta)
+        out.index_copy_(0, idx, (out.index_select(0, idx).to(delta.dtype) + delta).to(out.dtype))

@@ -22,7 +22,7 @@ def _block(n, lo=16, hi=64):
 def _slot_rows(sorted_tokens, slot_counts, slot_starts, pid_m, slot, BLOCK_M: tl.constexpr):
     """This tile's rows: positions in the slot's segment of the sorted order and their tokens."""
     count = tl.load(slot_counts + slot)
-    start = tl.load(slot_starts + slot)
+    start = tl.load(slot_starts + slot).to(tl.int64)  # offsets in int64: T x stride can pass 2**31
     offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask = offs < count
     tokens = tl.load(sorted_tokens + start + offs, mask=mask, other=0)
@@ -38,7 +38,7 @@ def _shrink_kernel(
     """Semantics (one program = BLOCK_M tokens of slot s x BLOCK_N rank columns):
         for i in tile(segment of s): y[i, cols] = scale * sum_k x[sorted_tokens[i], k] * w[s, cols, k]
     """
-    slot = tl.program_id(1)
+    slot = tl.program_id(1).to(tl.int64)  # slot * stride can pass 2**31 for large stacks
     n_tiles_n = tl.cdiv(R, BLOCK_N)
     pid_m, pid_n = tl.program_id(0) // n_tiles_n, tl.program_id(0) % n_tiles_n
     if pid_m * BLOCK_M >= tl.load(slot_counts + slot):
@@ -74,7 +74,7 @@ def _expand_kernel(
     (the sum rounded to out's dtype before the add if ROUND_DELTA, else added in fp32).
     Every (token, column) belongs to exactly one program, so the read-modify-write needs no atomics.
     """
-    slot = tl.program_id(1)
+    slot = tl.program_id(1).to(tl.int64)
     n_tiles_n = tl.cdiv(O, BLOCK_N)
     pid_m, pid_n = tl.program_id(0) // n_tiles_n, tl.program_id(0) % n_tiles_n
     if pid_m * BLOCK_M >= tl.load(slot_counts + slot):
@@ -103,6 +103,16 @@ def _expand_kernel(
     tl.store(ptrs, new.to(out.dtype.element_ty), mask=mask)
 
 
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_dtypes(**tensors) -> None:
+    """The kernels load their operands as given: refuse dtypes they were not written for, by name."""
+    bad = {name: t.dtype for name, t in tensors.items() if t.dtype not in _DTYPES}
+    if bad:
+        raise TypeError(f"Triton LoRA kernels take float32/float16/bfloat16 tensors, got {bad}")
+
+
 def lora_shrink(x: torch.Tensor, A: torch.Tensor, meta, scale: float = 1.0) -> torch.Tensor:
     """Semantics:
         for i in range(n):                       # n = meta.num_lora_tokens
@@ -110,6 +120,9 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, meta, scale: float = 1.0) -> t
             y[i] = scale * x[t] @ A[meta.token_slots[t]].T
     x: [T, H]; A: [S, R, H] -> y: [T, R] float32 (rows i >= n unwritten).
     """
+    _check_dtypes(x=x, A=A)
+    if x.dtype != A.dtype:
+        raise TypeError(f"lora_shrink: x is {x.dtype} but A is {A.dtype}; cast x to A's dtype (as PEFT does)")
     T, H = x.shape
     S, R, _ = A.shape
     y = torch.empty(T, R, dtype=torch.float32, device=x.device)
@@ -136,6 +149,9 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, B: torch.Tensor, meta, round
     """
     if meta.no_lora:
         return
+    _check_dtypes(out=out, B=B)
+    if y.dtype != torch.float32:
+        raise TypeError(f"lora_expand: y must be lora_shrink's float32 output, got {y.dtype}")
     T, O = out.shape
     S, _, R = B.shape
     BLOCK_N, BLOCK_K = _block(O), _block(R)

@@ -16,7 +16,7 @@ def test_decoding_benchmark_smoke(tmp_path):
     greedy = [r for r in res["throughput"] if not r["sampling"]]
     assert {(r["batch"], r["adapters"]) for r in greedy} == {(1, 1), (4, 1), (4, 4)}
     for r in greedy:  # every configuration decoded the same tokens as stock PEFT
-        assert all(c["identical_to_stock"] for c in r["configs"].values())
+        assert all(c["identical_to_stock"] for name, c in r["configs"].items() if name != "stock_peft")
         assert all(c["tokens_per_s"] > 0 for c in r["configs"].values())
     assert set(res["acceptance"]) == {"greedy", "sampling"}
     assert all(0 <= a["acceptance"] <= 1 for a in res["acceptance"]["greedy"]["per_adapter"].values())

@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from hf_invisiblelora import forward as compiled
 from hf_invisiblelora.bank import get_bank
 from hf_invisiblelora.state import state_of
-from hf_invisiblelora.testing import prompts, tiny_peft
+from hf_invisiblelora.testing import all_near_ties, divergences, prompts, tiny_peft
 
 ROWS = ["a", "b", "__base__", "c", "d", "a", "b"]  # 7 rows: padded to a bucket of 8
 
@@ -114,15 +114,71 @@ def test_backend_choice():
     assert compiled.backend_for("auto", cuda, torch.bfloat16, "bank") == "cuda_graphs"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run by benchmarks/gpu_check.sh)")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run by benchmarks/gpu_check.sh)")
+
+
+def assert_stock_or_near_ties(model, ids, mask, names, out, **kw):
+    """Greedy tokens equal to stock PEFT's, or leaving them only at near ties of stock's logits (a
+    GPU's matmuls round differently for other shapes; testing.divergences has the rule)."""
+    ref = model.generate(input_ids=ids, attention_mask=mask, adapter_names=names, do_sample=False, max_new_tokens=10,
+                         output_logits=True, return_dict_in_generate=True, **kw)
+    diverged = divergences(model, names, ref, out, mask, ids.shape[1])
+    assert all_near_ties(diverged), f"divergences (step, gap, stock's noise) not at near ties: {diverged}"
+    return diverged
+
+
+@cuda
 @pytest.mark.parametrize("k", [1, 4])
 def test_cuda_graphs_equal_eager_and_stock(k):
     model = tiny_peft("llama", strength=0.6, dtype=torch.float32).cuda()
     ids, mask = (t.cuda() for t in prompts([5, 9, 3, 7, 9, 1, 6]))
-    stock = generate(model, ids, mask, ROWS)
     kw = dict(invisible_lora=True, gate="always", num_draft_tokens=k)
     eager = generate(model, ids, mask, ROWS, compile=False, **kw)
     captured = generate(model, ids, mask, ROWS, compile=True, **kw)  # first call: captures the graphs
     replayed = generate(model, ids, mask, ROWS, compile=True, **kw)
-    assert torch.equal(eager, stock)
-    assert torch.equal(captured, stock) and torch.equal(replayed, stock)
+    for out in (eager, captured, replayed):
+        assert_stock_or_near_ties(model, ids, mask, ROWS, out)
+    assert torch.equal(captured, replayed)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_graphs_half_precision(dtype):
+    """A half-precision model with PEFT's float32 adapters (autocast_adapter_dtype), through the
+    Triton kernels and CUDA graphs."""
+    model = tiny_peft("llama", strength=0.6, dtype=dtype).cuda()
+    assert next(p for n, p in model.named_parameters() if "lora_A" in n).dtype == torch.float32
+    ids, mask = (t.cuda() for t in prompts([5, 9, 3, 7, 9, 1, 6]))
+    out = generate(model, ids, mask, ROWS, invisible_lora=True, gate="always", num_draft_tokens=2, compile=True)
+    assert_stock_or_near_ties(model, ids, mask, ROWS, out)
+
+
+@cuda
+def test_cuda_graphs_second_call_and_adapter_changes():
+    """The captured graphs of a bucket serve a later call with other rows, adapters and batch size
+    (their metadata buffers are refreshed); a rescaled adapter is seen without recapture (its slots
+    are rewritten in place); a replaced adapter (deleted, added again) makes the bank rebuild and the
+    stacks follow it (rebuilt, and the graphs recaptured, when its slot order changes)."""
+    from peft import LoraConfig
+
+    from hf_invisiblelora.testing import ADAPTERS
+
+    model = tiny_peft("llama", strength=0.6, dtype=torch.float32).cuda()
+    kw = dict(invisible_lora=True, gate="always", num_draft_tokens=2, compile=True)
+    ids, mask = (t.cuda() for t in prompts([5, 9, 3, 7, 9, 1, 6]))
+    assert_stock_or_near_ties(model, ids, mask, ROWS, generate(model, ids, mask, ROWS, **kw))
+    ids2, mask2 = (t.cuda() for t in prompts([2, 8, 4, 6, 3], seed=1))
+    rows2 = ["d", "d", "a", "__base__", "c"]
+    assert_stock_or_near_ties(model, ids2, mask2, rows2, generate(model, ids2, mask2, rows2, **kw))
+
+    version = get_bank(model).version
+    for m in model.modules():
+        if isinstance(m, LoraLayer) and "d" in m.scaling:
+            m.set_scale("d", 2.5)
+    assert_stock_or_near_ties(model, ids2, mask2, rows2, generate(model, ids2, mask2, rows2, **kw))
+    assert get_bank(model).version == version  # rewritten in place: the graphs still hold the stacks
+
+    model.delete_adapter("d")
+    model.add_adapter("d", LoraConfig(init_lora_weights=False, **ADAPTERS["d"]))
+    model.to("cuda").eval()
+    assert_stock_or_near_ties(model, ids2, mask2, rows2, generate(model, ids2, mask2, rows2, **kw))

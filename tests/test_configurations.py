@@ -226,6 +226,15 @@ def test_adapter_changes_are_seen(route):
     assert_same_as_stock(model, ids, mask, max_new_tokens=8)
 
 
+def test_model_moved_to_another_dtype_after_a_call():
+    """The bank's stacks follow model.to(...): its signature holds the adapters' dtypes and devices."""
+    model = tiny_peft("llama", strength=0.6)
+    ids, mask = prompts(LENGTHS)
+    assert_same_as_stock(model, ids, mask, max_new_tokens=6)
+    model.to(torch.float32)
+    assert_same_as_stock(model, ids, mask, max_new_tokens=6)
+
+
 # 7. Threads: concurrent calls on one model give the stock output, and leave the model unchanged.
 def test_concurrent_calls_on_one_model():
     model = tiny_peft("llama", strength=0.6)

@@ -155,16 +155,82 @@ def test_triton_kernels_ranks_to_256(seed):
     check_backend(_triton_ops(), seed, torch.float32, _triton_device(), max_t=20, max_h=80, max_r=256, max_s=4)
 
 
+def check_group_slice(ops, dtype, device, transposed):
+    """q/k/v siblings share one shrink: a layer's A is a column slice of the group's stack (a
+    strided view). Both ops take it as given."""
+    g = torch.Generator().manual_seed(5)
+    S, H, O, ranks = 4, 48, 40, (8, 4, 12)
+    stacks = [torch.randn(S, r, H, generator=g, dtype=dtype) / H**0.5 for r in ranks]
+    group = torch.cat(stacks, 1)
+    if transposed:  # the torch path's layout: [S, H, R] storage seen as [S, R, H]
+        group = group.transpose(1, 2).contiguous().transpose(1, 2)
+    group = group.to(device)
+    A = group[:, ranks[0] : ranks[0] + ranks[1]]  # the middle sibling
+    B = (torch.randn(S, O, ranks[1], generator=g, dtype=dtype) / 2).to(device)
+    x = torch.randn(10, H, generator=g, dtype=dtype).to(device)
+    token_slots = torch.tensor([0, 3, -1, 1, 1, 2, 0, -1, 3, 2], device=device)
+    out = torch.zeros(10, O, dtype=dtype, device=device)
+    meta = make_meta(token_slots, S)
+    ops.lora_expand(out, ops.lora_shrink(x, A, meta), B, meta)
+    tol = tolerance(dtype)
+    torch.testing.assert_close(out, lora_reference(x, A, B, token_slots), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_torch_path_group_slice(transposed):
+    check_group_slice(torch_lora, torch.float64, "cpu", transposed)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_triton_group_slice(transposed):
+    check_group_slice(_triton_ops(), torch.float32, _triton_device(), transposed)
+
+
+@pytest.mark.parametrize("round_delta", [True, False])
+def test_torch_path_peft_numerics_on_bf16(round_delta):
+    """float32 adapters on a bfloat16 model, as PEFT keeps them: the input is cast to float32, the
+    delta computed in float32 and added as PEFT adds it (rounded first for a mixed batch, else in
+    float32 then rounded): bit-equal to PEFT's formula here."""
+    g = torch.Generator().manual_seed(0)
+    S, H, O, R = 3, 32, 24, 8
+    A, B = torch.randn(S, R, H, generator=g), torch.randn(S, O, R, generator=g)
+    x = torch.randn(6, H, generator=g).bfloat16()
+    base = torch.randn(6, O, generator=g).bfloat16()
+    token_slots = torch.tensor([0, 2, 1, -1, 2, 0])
+    meta = make_meta(token_slots, S)
+    out = base.clone()
+    torch_lora.lora_expand(out, torch_lora.lora_shrink(x.float(), A, meta), B, meta, round_delta=round_delta)
+    expected = base.clone()
+    for t, s in enumerate(token_slots.tolist()):
+        if s >= 0:
+            delta = (x[t].float() @ A[s].T) @ B[s].T
+            expected[t] = expected[t] + delta.bfloat16() if round_delta else (expected[t].float() + delta).bfloat16()
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=2 ** -6)
+    assert (out != expected).float().mean() < 0.05  # rounding-order ties only
+
+
+def test_triton_refuses_dtypes_it_was_not_written_for():
+    ops = pytest.importorskip("hf_invisiblelora.kernels.triton_lora")
+    meta = make_meta(torch.tensor([0, 1]), 2)
+    with pytest.raises(TypeError, match="float32/float16/bfloat16"):
+        ops.lora_shrink(torch.zeros(2, 4, dtype=torch.float64), torch.zeros(2, 4, 4, dtype=torch.float64), meta)
+    with pytest.raises(TypeError, match="cast x to A's dtype"):
+        ops.lora_shrink(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, 4, 4), meta)
+    with pytest.raises(TypeError, match="float32 output"):
+        ops.lora_expand(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float16), torch.zeros(2, 4, 4), meta)
+
+
 def test_triton_interpreter():
     """Runs test_triton_kernels on the CPU: TRITON_INTERPRET must be set before triton is imported."""
     pytest.importorskip("triton")
     if _triton_device() is not None:
         pytest.skip("test_triton_kernels runs in this process")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_triton_kernels"]
+    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+           "test_triton_kernels or test_triton_group_slice"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert re.search(r"\b38 passed", run.stdout), run.stdout[-1000:]  # fp32, fp16 and static ran; bf16 skipped
+    assert re.search(r"\b40 passed", run.stdout), run.stdout[-1000:]  # fp32, fp16, static, slices ran; bf16 skipped
 
 
 def test_make_meta():
