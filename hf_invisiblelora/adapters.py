@@ -11,18 +11,24 @@ from __future__ import annotations
 import contextlib
 
 from .bank import get_bank
-from .checks import lora_layers
+from .checks import BASE, lora_layers
 from .state import forwards
+
+
+def _key(rows):
+    """A hashable key for a pass's rows: None (all), a slice, or a tensor of row indices."""
+    if rows is None or isinstance(rows, slice):
+        return None if rows is None else (rows.start, rows.stop)
+    return tuple(rows.tolist())
 
 
 class PeftSwitch:
     """LoRA through PEFT's own layers: on = PEFT's forward (its ``adapter_names`` loop for a mixed
     batch; its active adapter otherwise), off = the base layer alone."""
 
-    def __init__(self, model, adapter_names: list[str], mixed: bool, mine):
+    def __init__(self, model, mixed: bool, mine):
         self.layers = lora_layers(model)
-        self.adapter_names = adapter_names if mixed else None
-        self.mine, self.lora, self.rows = mine, True, None
+        self.mixed, self.mine, self.lora, self.names = mixed, mine, True, None
 
     def installed(self):
         return forwards({m: (lambda x, *args, _m=m, _f=m.forward, **kw: (
@@ -32,13 +38,20 @@ class PeftSwitch:
         kwargs.pop("adapter_names", None)
         if not self.lora:
             return m.base_layer(x, *args, **kwargs)
-        if self.adapter_names is not None:
-            kwargs["adapter_names"] = self.adapter_names if self.rows is None else [self.adapter_names[r] for r in self.rows.tolist()]
+        if self.names is not None:
+            kwargs["adapter_names"] = self.names
         return original(x, *args, **kwargs)
+
+    def set_rows(self, adapter_names: list) -> None:
+        """Each row's adapter (None or "__base__": none)."""
+        self.all_names = [a or BASE for a in adapter_names]
 
     def on(self, rows=None) -> None:
         self.lora = True
-        self.rows = rows
+        if self.mixed:
+            key = _key(rows)
+            idx = range(len(self.all_names)) if key is None else range(*key) if isinstance(rows, slice) else key
+            self.names = [self.all_names[r] for r in idx]
 
     def off(self) -> None:
         self.lora = False
@@ -47,10 +60,10 @@ class PeftSwitch:
 class BankSwitch:
     """LoRA through the adapter bank: on = one batched shrink/expand per layer for all adapters."""
 
-    def __init__(self, model, adapter_names: list[str], mixed: bool, mine=None):
+    def __init__(self, model, mixed: bool, mine=None):
         self.bank = get_bank(model)
-        self.row_slots = self.bank.slots(adapter_names)
         self.mixed = mixed
+        self.row_slots, self._views = None, {}
 
     @contextlib.contextmanager
     def installed(self):
@@ -58,8 +71,16 @@ class BankSwitch:
         with self.bank.installed():
             yield self
 
+    def set_rows(self, adapter_names: list) -> None:
+        """Each row's adapter (None or "__base__": none)."""
+        self.row_slots = self.bank.slots([a or BASE for a in adapter_names])
+        self._views = {}  # the bank memoizes metadata per row_slots object: one object per row set
+
     def on(self, rows=None) -> None:
-        self.bank.set_batch(self.row_slots if rows is None else self.row_slots[rows])
+        key = _key(rows)
+        if key not in self._views:
+            self._views[key] = self.row_slots if rows is None else self.row_slots[rows]
+        self.bank.set_batch(self._views[key])
 
     def off(self) -> None:
         self.bank.set_batch(None)

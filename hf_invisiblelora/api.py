@@ -20,10 +20,12 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .adapters import SWITCHES
 from .checks import BASE, check_call, check_compile, check_model, check_options, resolve_adapter_names
-from .decoding import run
+from .decoding import Decoder
 from .forward import CompiledForward, EagerForward, backend_for
 from .gate import Gate
-from .layout import RowLayout, prompt_positions
+from .layout import prompt_positions
+from .policies import GeneratePolicy
+from .processors import split_criteria
 from .rotary import Recompute, StepRotary, length_dependent, recompute_slot
 from .state import state_of
 from .stats import DecodingStats
@@ -82,7 +84,8 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     # generate() calls this after its preparation; ``input_ids`` are then expanded for num_return_sequences.
     def decode(inner, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
         check_call(generation_config, logits_processor, model_kwargs, input_ids, streamer)
-        rows = _expand(names, input_ids.shape[0])
+        b, prompt_len = input_ids.shape
+        rows = _expand(names, b)
         stats.adapter_names = rows
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -90,28 +93,43 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         positions = model_kwargs.get("position_ids")
         if positions is None:
             positions = prompt_positions(mask, input_ids)
-        prompt_len, max_new = input_ids.shape[1], generation_config.max_length - input_ids.shape[1]
-        width, last_used = prompt_len + max_new + num_draft_tokens + 1, prompt_len + max_new - 2
-        lora = SWITCHES[lora_backend](model, rows, mixed, state.mine)
+        max_new = generation_config.max_length - prompt_len
+        width = prompt_len + max_new + num_draft_tokens + 1
+        lora = SWITCHES[lora_backend](model, mixed, state.mine)
         if compile_backend is None:
-            fwd = EagerForward(inner, lora, RowLayout(inner, mask, positions, width, last_used))
+            fwd = EagerForward(inner, lora, b, width, input_ids.device)
         else:
-            fwd = CompiledForward(inner, state.buckets, lora.bank, lora.row_slots, mask, positions, width, last_used,
-                                  compile_backend, range(1, num_draft_tokens + 2))
-        rotary = StepRotary(inner, fwd.layout, state.mine)
+            fwd = CompiledForward(inner, state.buckets, lora.bank, b, width, input_ids.device, compile_backend,
+                                  range(1, num_draft_tokens + 2))
+        pad_id = int(generation_config._pad_token_tensor) if generation_config._pad_token_tensor is not None else 0
+        eos = generation_config._eos_token_tensor
         slot = recompute_slot(inner, prompt_len)
+        decoder = Decoder(
+            fwd, lora, GeneratePolicy(logits_processor, bool(generation_config.do_sample), generator),
+            Gate(gate, num_draft_tokens, state.gate, BASE, variant=compile_backend or "eager"),
+            capacity=b, span=b, pad_id=pad_id, eos=None if eos is None else eos.reshape(-1).to(input_ids.device),
+            criteria=split_criteria(stopping_criteria), freeze=eos is not None,  # as standard decoding pads finished rows
+            recompute=None if slot is None else Recompute(slot, b),
+        )
+        rotary = StepRotary(inner, fwd.layout, state.mine)
         with lora.installed(), rotary.installed():
-            sequences, done = run(
-                input_ids, fwd, logits_processor, stopping_criteria, generation_config,
-                max_draft_tokens=num_draft_tokens,
-                gate=Gate(gate, num_draft_tokens, rows, state.gate, BASE, variant=compile_backend or "eager"),
-                streamer=streamer, generator=generator, stats=stats,
-                recompute=None if slot is None else Recompute(slot, input_ids.shape[0]),
-            )
-            rotary.finish(sequences.shape[1] - prompt_len)
+            kept = decoder.admit(list(range(b)), input_ids, mask, positions, [max_new] * b, rows)
+            while True:
+                if streamer is not None and kept[0]:
+                    end = prompt_len + decoder.rows.gen_h[0]
+                    streamer.put(decoder.rows.tokens[0, end - kept[0] : end].cpu())
+                if not decoder.rows.active:
+                    break
+                kept = decoder.cycle()
+            new = decoder.output_length()
+            sequences = decoder.sequences(list(range(b)), prompt_len + new, pad_id)
+            rotary.finish(prompt_len, new)
+            decoder.fill_stats(stats, new)
+            if streamer is not None:
+                streamer.end()
             if not generation_config.return_dict_in_generate:
                 return sequences
-            cache = _returned_cache(fwd, done, sequences, inner.config, copy=compile_backend is not None)
+            cache = _returned_cache(fwd, decoder.rows, sequences, inner.config, copy=compile_backend is not None)
         return InvisibleLoRAOutput(sequences=sequences, cache=cache, stats=stats)
 
     if state.mine():
@@ -136,7 +154,7 @@ def _returned_cache(fwd, rows, sequences, config, copy: bool):
     """
     b, length = sequences.shape
     end = length - 1  # standard decoding never feeds the last token
-    first = rows.prompt_len + min(rows.gen_h) - 1  # the earliest slot a row has not cached
+    first = rows.plen_h[0] + min(rows.gen_h[:b]) - 1  # the earliest slot a row has not cached
     if first < end:
         start = torch.full((b,), first, dtype=torch.long, device=sequences.device)
         fwd(sequences[:, first:end], start, end, keep=1)

@@ -225,7 +225,7 @@ class AdapterBank:
                                  "tokens (e.g. LoRA on MoE experts, which see routed tokens); not supported")
             meta = self._metas[tokens] = kernels.make_meta(
                 self.token_slots(self._rows, tokens // rows), len(self.adapter_names), previous=self._last_meta)
-        if meta is not None and not meta.no_lora:
+        if meta is not None and not meta.no_lora and not meta.static:
             self._last_meta = meta
         return meta
 

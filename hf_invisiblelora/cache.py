@@ -30,9 +30,9 @@ class _Layer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states, value_states):
         o = self.owner
-        b, h = key_states.shape[:2]
-        self.keys = key_states.new_zeros(b, h, o.max_len, key_states.shape[-1])
-        self.values = value_states.new_zeros(b, h, o.max_len, value_states.shape[-1])
+        h = key_states.shape[1]
+        self.keys = key_states.new_zeros(o.capacity, h, o.max_len, key_states.shape[-1])
+        self.values = value_states.new_zeros(o.capacity, h, o.max_len, value_states.shape[-1])
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
@@ -44,7 +44,7 @@ class _Layer(CacheLayerMixin):
         # with it, where scatter_ into a graph input copies the whole cache twice per layer.
         self.keys[o.write_rows, :, o.write_slots] = key_states.transpose(1, 2)
         self.values[o.write_rows, :, o.write_slots] = value_states.transpose(1, 2)
-        if o.rows is not None:  # a pass over some rows only
+        if o.rows is not None:  # a pass over some rows only (a slice: a view; indices: a copy)
             return self.keys[o.rows, :, : o.kv_len], self.values[o.rows, :, : o.kv_len]
         return self.keys[:, :, : o.kv_len], self.values[:, :, : o.kv_len]
 
@@ -59,13 +59,13 @@ class _Layer(CacheLayerMixin):
 
 
 class SharedCache(Cache):
-    """Preallocated KV cache with per-row write positions (see the module docstring); ``max_len``
-    slots per row. A forward that would write past it raises instead of dropping entries."""
+    """Preallocated KV cache with per-row write positions (see the module docstring): ``capacity``
+    rows of ``max_len`` slots. A forward that would write past them raises instead of dropping entries."""
 
-    def __init__(self, config, max_len: int):
+    def __init__(self, config, capacity: int, max_len: int):
         text_config = config.get_text_config(decoder=True)
         super().__init__(layers=[_Layer(self) for _ in range(text_config.num_hidden_layers)])
-        self.max_len = max_len
+        self.capacity, self.max_len = capacity, max_len
         self.kv_len = 0
         self.rows = None  # the rows of the next forward, if not all
         self.write_rows = self.write_slots = None  # [b, 1], [b, q]: where the next forward writes
@@ -77,7 +77,10 @@ class SharedCache(Cache):
         if kv_len > self.max_len:
             raise RuntimeError(f"SharedCache overflow: {kv_len} slots needed, {self.max_len} allocated")
         self.rows = rows
-        self.write_rows = (torch.arange(start.shape[0], device=start.device) if rows is None else rows)[:, None]
+        if rows is None or isinstance(rows, slice):  # the first rows (a view of the cache, no copy)
+            self.rows = None if rows is None or rows == slice(0, self.capacity) else rows
+            rows = torch.arange(start.shape[0], device=start.device)
+        self.write_rows = rows[:, None]
         self.write_slots = start[:, None] + torch.arange(q, device=start.device)
         self.kv_len = kv_len
 

@@ -1,19 +1,26 @@
 """The InvisibleLoRA decoding loop: prefill, then cycles of draft -> verify -> accept -> commit.
 
-``Rows.tokens`` [B, W]: slot j of row b holds token j of that row (layout.py): the prompt at
-0..P-1, then the row's generated tokens, ``gen[b]`` of them committed. Cache slot j holds token
-j's key/value (cache.py), so the last committed token ``tokens[b, P + gen[b] - 1]`` is the only
-committed token not yet cached, and it is where each cycle starts:
+A ``Decoder`` holds rows of one shared cache. ``Rows.tokens`` [C, W]: slot j of row b holds token j
+of that row (layout.py): its (left-padded) prompt at 0..plen[b]-1, then its generated tokens,
+``gen[b]`` of them committed. Cache slot j holds token j's key/value (cache.py), so the last
+committed token ``tokens[b, plen[b] + gen[b] - 1]`` is the only committed token not yet cached,
+and it is where each cycle starts:
 
-    draft   (LoRA off, k passes of 1 token): d_1..d_k written to tokens[P+gen .. P+gen+k-1]
+    draft   (LoRA off, k passes of 1 token): d_1..d_k written to tokens[end .. end+k-1]
             and their speculative KV to the same slots - 1
-    verify  (LoRA on, 1 pass of k+1 tokens): [last, d_1..d_k] at slots P+gen-1 .., overwriting
+    verify  (LoRA on, 1 pass of k+1 tokens): [last, d_1..d_k] at slots end-1 .., overwriting
             the draft KV with LoRA-on KV; target scores for k+1 positions
-    accept  n drafts per row (acceptance.py), plus one target token
-    commit  cut at EOS / stopping criteria / max length; gen += kept
+    accept  n drafts per row (the policy's rule), plus one target token
+    commit  cut at EOS / stopping criteria / the row's budget; gen += kept
 
-The host learns each row's counts once per cycle (one device sync); everything else is batched.
-Passes go through a forward object (forward.py): ``fwd(ids, start, kv_len, keep, lora_on)``.
+Rows join (``admit``: a prefill of those rows) and leave between cycles; a cycle runs the rows
+0..hi-1 that hold work (free rows among them ride along, masked). ``generate()`` admits all its
+rows at once and cycles until they are done; the serving engine (engine.py) admits requests as
+rows free up. The host learns each row's counts once per cycle (one device sync).
+
+What differs between those uses is the ``policy``: how scores are processed, how a token is
+picked from them and how drafts are accepted (greedy, speculative sampling, or per-request
+seeded sampling), and its per-row state.
 """
 
 from __future__ import annotations
@@ -24,198 +31,232 @@ from dataclasses import dataclass
 
 import torch
 
-from .acceptance import accept_greedy, accept_sampling, sample
 from .gate import Gate
-from .processors import first_stop, process_scores, split_criteria
-from .stats import DecodingStats
+from .processors import first_stop
 
 
 @dataclass
 class Rows:
-    """The rows of one call: their tokens and how far each has got.
+    """The rows of one cache: their tokens and how far each has got.
 
-    ``gen`` / ``done`` live on the device for batched ops; ``gen_h`` / ``done_h`` are their host
-    copies, refreshed by the cycle's one sync. ``stop_at[b]``: the number of tokens at which a
-    stopping criterion stopped row b when finished rows are not frozen (no EOS: standard decoding
-    then keeps generating real tokens for them until every row has stopped).
+    Device tensors for batched ops, host lists (``*_h``) refreshed by each cycle's one sync. A free
+    row is done and holds no work. ``stop_at[b]``: the number of tokens at which a stopping
+    criterion stopped row b when stopped rows are not frozen (``generate()`` without an EOS token:
+    standard decoding then keeps generating real tokens until every row has stopped).
     """
 
     tokens: torch.Tensor
-    prompt_len: int
-    max_new: int
+    plen: torch.Tensor
     gen: torch.Tensor
-    done: torch.Tensor
+    plen_h: list
     gen_h: list
     done_h: list
+    max_new_h: list
     stop_at: list
 
     @classmethod
-    def start(cls, input_ids: torch.Tensor, max_new: int, width: int, pad_id: int) -> "Rows":
-        b, p = input_ids.shape
-        tokens = input_ids.new_full((b, width), pad_id, dtype=torch.long)
-        tokens[:, :p] = input_ids
-        gen = tokens.new_zeros(b)
-        return cls(tokens, p, max_new, gen, torch.zeros(b, dtype=torch.bool, device=tokens.device), [0] * b,
-                   [False] * b, [None] * b)
+    def empty(cls, capacity: int, width: int, pad_id: int, device) -> "Rows":
+        zeros = torch.zeros(capacity, dtype=torch.long, device=device)
+        return cls(torch.full((capacity, width), pad_id, dtype=torch.long, device=device), zeros, zeros.clone(),
+                   [0] * capacity, [0] * capacity, [True] * capacity, [0] * capacity, [None] * capacity)
+
+    def load(self, idx: list[int], input_ids: torch.Tensor, max_new: list[int]) -> None:
+        """Rows ``idx`` start on ``input_ids`` [n, P] (left-padded) with budgets of ``max_new`` tokens."""
+        p = input_ids.shape[1]
+        self.tokens[idx, :p] = input_ids.to(self.tokens.dtype)
+        for r, m in zip(idx, max_new):
+            self.plen_h[r], self.gen_h[r], self.done_h[r], self.max_new_h[r], self.stop_at[r] = p, 0, False, m, None
+        self.sync()
+
+    def sync(self) -> None:
+        """Device copies of the host counts (after the host changed them)."""
+        self.plen = torch.tensor(self.plen_h, device=self.tokens.device)
+        self.gen = torch.tensor(self.gen_h, device=self.tokens.device)
 
     @property
     def active(self) -> list[int]:
         return [r for r, d in enumerate(self.done_h) if not d]
 
-    def ends(self) -> torch.Tensor:
-        """[B] slot after each row's last committed token."""
-        return self.prompt_len + self.gen
+    @property
+    def hi(self) -> int:
+        """Rows 0..hi-1 hold every active row: the span a cycle runs."""
+        active = self.active
+        return active[-1] + 1 if active else 0
+
+    def ends(self, hi: int) -> torch.Tensor:
+        """[hi] slot after each row's last committed token."""
+        return self.plen[:hi] + self.gen[:hi]
+
+    def kv_end(self, hi: int, extra: int) -> int:
+        """Slots a pass over rows 0..hi-1 attends to when each writes ``extra`` tokens past its end - 1."""
+        return max(self.plen_h[r] + self.gen_h[r] for r in range(hi)) - 1 + extra
 
 
-def draft(fwd, rows: Rows, k: int, processors, do_sample: bool, generator):
-    """k LoRA-off passes of one token per row; returns drafts [B, k] and their probabilities [B, k, V] (sampling).
+def draft(fwd, rows: Rows, hi: int, k: int, policy):
+    """k LoRA-off passes of one token per row; returns drafts [hi, k] and the policy's draft
+    probabilities [hi, k, V] (speculative sampling) or None.
 
     Each draft is written into ``rows.tokens`` at once: the next draft step and the processors read it there.
     """
-    last = rows.ends() - 1
-    x = rows.tokens.gather(1, last[:, None])
+    last = rows.ends(hi) - 1
+    x = rows.tokens[:hi].gather(1, last[:, None])
     drafts, probs = [], []
     for j in range(k):
-        logits = fwd(x, last + j, rows.prompt_len + max(rows.gen_h) + j, keep=1, lora_on=False)
-        lengths = [rows.prompt_len + g + j for g in rows.gen_h]
-        scores = process_scores(processors, rows.tokens, lengths, logits, rows.active)[:, 0]
-        if do_sample:
-            d, q = sample(scores, generator)
+        logits = fwd(x, last + j, rows.kv_end(hi, 1) + j, keep=1, lora_on=False, rows=slice(0, hi))
+        d, q = policy.pick(policy.scores(rows, slice(0, hi), logits, offset=j)[:, 0], rows, slice(0, hi), offset=j)
+        if q is not None:
             probs.append(q)
-        else:
-            d = scores.argmax(-1)
-        rows.tokens.scatter_(1, (last + 1 + j)[:, None], d[:, None])
+        rows.tokens[:hi].scatter_(1, (last + 1 + j)[:, None], d[:, None])
         drafts.append(d)
         x = d[:, None]
     if not drafts:  # k = 0: a plain step follows
-        return rows.tokens.new_zeros(rows.tokens.shape[0], 0), None
+        return rows.tokens.new_zeros(hi, 0), None
     return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
 
 
-def verify(fwd, rows: Rows, k: int, processors):
-    """One LoRA-on pass over [last, d_1..d_k] per row; returns processed target scores [B, k+1, V]."""
-    start = rows.ends() - 1
-    ids = rows.tokens.gather(1, start[:, None] + torch.arange(k + 1, device=start.device))
-    logits = fwd(ids, start, rows.prompt_len + max(rows.gen_h) + k, keep=k + 1)
-    lengths = [rows.prompt_len + g for g in rows.gen_h]
-    return process_scores(processors, rows.tokens, lengths, logits, rows.active)
+def verify(fwd, rows: Rows, hi: int, k: int, policy):
+    """One LoRA-on pass over [last, d_1..d_k] per row; returns processed target scores [hi, k+1, V]."""
+    start = rows.ends(hi) - 1
+    ids = rows.tokens[:hi].gather(1, start[:, None] + torch.arange(k + 1, device=start.device))
+    logits = fwd(ids, start, rows.kv_end(hi, k + 1), keep=k + 1, rows=slice(0, hi))
+    return policy.scores(rows, slice(0, hi), logits, offset=0)
 
 
-def accept(drafts, draft_probs, target_scores, do_sample, generator):
-    if do_sample:
-        return accept_sampling(drafts, draft_probs, target_scores, generator)
-    return accept_greedy(drafts, target_scores)
-
-
-def commit(rows: Rows, n, next_token, k: int, eos, criteria, freeze: bool):
-    """Append each active row's accepted drafts + next token, cut at EOS / stopping criteria / max length.
+def commit(rows: Rows, hi: int, n, next_token, k: int, eos, criteria, freeze: bool, members=None):
+    """Append each member row's accepted drafts + next token, cut at EOS / stopping criteria / the
+    row's budget. ``n``, ``next_token``: [hi]; ``members``: the rows committing (default: the
+    active rows among 0..hi-1); the others keep nothing.
 
     ``freeze``: a stopped row is finished (its later tokens are padding), as in standard decoding
     when an EOS token is set; otherwise it keeps generating until every row has stopped.
     Returns the host lists (kept per row, accepted drafts per row): the cycle's one device sync
-    (two when stopping criteria beyond EOS / max length are set).
+    (two when stopping criteria beyond EOS and the budget are set).
     """
-    tokens, p, gen = rows.tokens, rows.prompt_len, rows.gen
-    tokens.scatter_(1, (p + gen + n)[:, None], next_token[:, None])
-    kept = torch.where(rows.done, 0, n + 1).clamp_(max=rows.max_new - gen)
-    stopped = torch.zeros_like(rows.done)
+    members = [r for r in range(hi) if not rows.done_h[r]] if members is None else members
+    tokens, end = rows.tokens[:hi], rows.ends(hi)
+    tokens.scatter_(1, (end + n)[:, None], next_token[:, None])
+    member = torch.zeros(hi, dtype=torch.bool, device=tokens.device)
+    member[members] = True
+    budget = torch.tensor(rows.max_new_h[:hi], device=tokens.device) - rows.gen[:hi]
+    kept = torch.where(member, n + 1, 0).minimum(budget)
+    stopped = torch.zeros_like(member)
     if eos is not None:
         offsets = torch.arange(k + 1, device=tokens.device)
-        new = tokens.gather(1, p + gen[:, None] + offsets)
+        new = tokens.gather(1, end[:, None] + offsets)
         is_eos = torch.isin(new, eos) & (offsets < kept[:, None])
         stopped = is_eos.any(1)
         kept = torch.where(stopped, is_eos.long().argmax(1) + 1, kept)
     kept_h, stopped_h, n_h = torch.stack([kept, stopped.long(), n]).tolist()
     if criteria:
-        for r, s in enumerate(first_stop(criteria, tokens, p, rows.gen_h, kept_h)):
+        for r, s in enumerate(first_stop(criteria, tokens, rows.plen_h[:hi], rows.gen_h[:hi], kept_h)):
             if s is not None:
                 kept_h[r], stopped_h[r] = s, 1
-    for r in range(len(kept_h)):
+    for r in members:
         rows.gen_h[r] += kept_h[r]
         if stopped_h[r] and rows.stop_at[r] is None:
             rows.stop_at[r] = rows.gen_h[r]
-    if freeze or None in rows.stop_at:
-        limit = [rows.max_new] * len(kept_h)
-    else:  # every row has stopped: all generate up to the last one's stop, as standard decoding does
-        limit = [max(rows.stop_at)] * len(kept_h)
-    rows.done_h = [g >= lim or bool(freeze and s is not None) for g, lim, s in zip(rows.gen_h, limit, rows.stop_at)]
+    # Without freezing (generate(), whose rows 0..hi-1 are its batch), every row generates up to
+    # the last row's stop once all have stopped.
+    limit = None if freeze or None in rows.stop_at[:hi] else max(rows.stop_at[:hi])
+    for r in members:
+        stop = freeze and rows.stop_at[r] is not None
+        rows.done_h[r] = stop or rows.gen_h[r] >= (rows.max_new_h[r] if limit is None else limit)
     rows.gen = torch.tensor(rows.gen_h, device=tokens.device)
-    rows.done = torch.tensor(rows.done_h, device=tokens.device)
     return kept_h, n_h
 
 
-def output_length(rows: Rows, freeze: bool) -> int:
-    """New tokens in the output: as many as standard decoding's steps."""
-    if not freeze and None not in rows.stop_at:
-        return min(max(rows.stop_at), rows.max_new)
-    return max(rows.gen_h)
+class Decoder:
+    """Rows of one shared cache, decoded in cycles (see the module docstring).
 
-
-def run(input_ids, fwd, processors, stopping_criteria, config, *, max_draft_tokens: int, gate: Gate,
-        streamer=None, generator=None, stats: DecodingStats, recompute=None) -> tuple[torch.Tensor, Rows]:
-    """Decode ``input_ids`` [B, P] to ``config.max_length``; returns (sequences [B, P + new], rows).
-
-    ``recompute``: a rotary.Recompute when standard decoding recomputes its cache at some slot.
+    ``fwd``: the forward object (forward.py), ``lora``: the LoRA switch (adapters.py), ``policy``:
+    processing, picking and acceptance. ``eos``: [E] token ids or None; ``criteria``: stopping
+    criteria beyond EOS and the budget (generate()'s); ``freeze``: see ``commit``. ``recompute``:
+    a rotary.Recompute when standard decoding recomputes its cache at some slot. ``span``: run
+    every pass over rows 0..span-1 (generate(): processors then see the whole batch, as in
+    standard decoding), else over the rows up to the last active one.
     """
-    b, prompt_len = input_ids.shape
-    device = input_ids.device
-    max_new = config.max_length - prompt_len
-    do_sample = bool(config.do_sample)
-    pad_id = int(config._pad_token_tensor) if config._pad_token_tensor is not None else 0
-    eos = config._eos_token_tensor
-    eos = eos.reshape(-1).to(device) if eos is not None else None
-    freeze = eos is not None  # standard decoding pads finished rows only when an EOS criterion exists
-    criteria = split_criteria(stopping_criteria)
-    rows = Rows.start(input_ids, max_new, prompt_len + max_new + max_draft_tokens + 1, pad_id)
-    drafted, accepted, row_cycles = [0] * b, [0] * b, [0] * b
-    timer = PassTimer(device)
 
-    # Prefill: the prompt with LoRA on; its last position gives the first token (a verify of k = 0).
-    logits = fwd(input_ids, input_ids.new_zeros(b), prompt_len, keep=1, prefix=prompt_len)
-    scores = process_scores(processors, rows.tokens, [prompt_len] * b, logits)
-    drafts, draft_probs, k = rows.tokens.new_zeros(b, 0), None, 0
-    builds = fwd.builds
-    while True:
-        n, next_token = accept(drafts, draft_probs, scores, do_sample, generator)
-        if recompute is not None:
-            n, next_token = recompute.cap(rows, n, next_token, drafts)
-        active = rows.active
-        kept_h, n_h = commit(rows, n, next_token, k, eos, criteria, freeze)
+    def __init__(self, fwd, lora, policy, gate: Gate, *, capacity: int, pad_id: int, eos=None, criteria=None,
+                 freeze: bool = True, recompute=None, span: int | None = None):
+        self.fwd, self.lora, self.policy, self.gate, self.span = fwd, lora, policy, gate, span
+        self.rows = Rows.empty(capacity, fwd.layout.width, pad_id, fwd.layout.positions.device)
+        self.eos, self.criteria, self.freeze, self.recompute = eos, criteria, freeze, recompute
+        self.names = [None] * capacity  # each row's adapter
+        self.timer = PassTimer(self.rows.tokens.device)
+        self.cycles, self.k_per_cycle = 0, []
+        self.drafted, self.accepted, self.row_cycles = [0] * capacity, [0] * capacity, [0] * capacity
+
+    def admit(self, idx: list[int], input_ids, attention_mask, positions, max_new: list[int], names: list[str]):
+        """Rows ``idx`` start on ``input_ids`` [n, P] (left-padded; ``attention_mask`` and
+        ``positions`` as generate() gives them): one prefill of those rows with LoRA on, whose last
+        position gives each its first token. Returns the tokens kept per row (host list, all rows)."""
+        p = input_ids.shape[1]
+        for r, name in zip(idx, names):
+            self.names[r] = name
+            self.drafted[r] = self.accepted[r] = self.row_cycles[r] = 0
+        self.lora.set_rows(self.names)
+        self.fwd.set_rows(self.names)
+        self.rows.load(idx, input_ids, max_new)
+        self.fwd.layout.load(idx, attention_mask, positions, [p + m - 2 for m in max_new])
+        self.policy.load(idx)
+        sub = torch.tensor(idx, device=input_ids.device)
+        logits = self.fwd(input_ids, torch.zeros_like(sub), p, keep=1, prefix=p, rows=sub)
+        scores = self.policy.scores(self.rows, sub, logits, offset=0)
+        n, next_token = self.policy.accept(self.rows.tokens.new_zeros(len(idx), 0), None, scores, self.rows, sub)
+        hi = max(idx) + 1
+        full_n, full_next = n.new_zeros(hi), n.new_zeros(hi)
+        full_n[sub], full_next[sub] = n, next_token
+        kept, _ = commit(self.rows, hi, full_n, full_next, 0, self.eos, self.criteria, self.freeze, members=idx)
+        return kept
+
+    def cycle(self):
+        """One cycle over the active rows: gate, draft, verify, accept, commit. Returns the tokens
+        kept per row (host list, rows 0..hi-1)."""
+        rows = self.rows
+        hi, active = self.span or rows.hi, rows.active
+        self.gate.set_rows(self.names[:hi])
+        k = self.gate.choose([0 if rows.done_h[r] else rows.max_new_h[r] - rows.gen_h[r] for r in range(hi)])
+        self.cycles += 1
+        self.k_per_cycle.append(k)
+        builds = self.fwd.builds
+        with self.timer("draft"):
+            drafts, draft_probs = draft(self.fwd, rows, hi, k, self.policy)
+        if self.recompute is not None:
+            self.recompute.before_verify(self.fwd, rows)
+        with self.timer("verify"):
+            scores = verify(self.fwd, rows, hi, k, self.policy)
+        n, next_token = self.policy.accept(drafts, draft_probs, scores, rows, slice(0, hi))
+        if self.recompute is not None:
+            n, next_token = self.recompute.cap(rows, hi, n, next_token, drafts)
+        kept, n_h = commit(rows, hi, n, next_token, k, self.eos, self.criteria, self.freeze)
         for r in active:
-            drafted[r] += k
-            accepted[r] += n_h[r]
-            row_cycles[r] += 1
-        spans = timer.collect()
-        if "verify" in spans and fwd.builds == builds:  # not after the prefill, nor a pass's compilation
-            gate.observe(k, n_h, [r in active for r in range(b)], spans.get("draft"), spans["verify"])
-        if streamer is not None and kept_h[0]:
-            end = prompt_len + rows.gen_h[0]
-            streamer.put(rows.tokens[0, end - kept_h[0] : end].cpu())
-        if all(rows.done_h):
-            break
+            self.drafted[r] += k
+            self.accepted[r] += n_h[r]
+            self.row_cycles[r] += 1
+        spans = self.timer.collect()
+        if self.fwd.builds == builds:  # not a pass's compilation
+            self.gate.observe(k, n_h, [r in active for r in range(hi)], spans.get("draft"), spans["verify"])
+        return kept
 
-        k = gate.choose([0 if d else max_new - g for g, d in zip(rows.gen_h, rows.done_h)])
-        stats.cycles += 1
-        stats.k_per_cycle.append(k)
-        stats.draft_passes += k
-        builds = fwd.builds
-        with timer("draft"):
-            drafts, draft_probs = draft(fwd, rows, k, processors, do_sample, generator)
-        if recompute is not None:
-            recompute.before_verify(fwd, rows)
-        with timer("verify"):
-            scores = verify(fwd, rows, k, processors)
+    def output_length(self) -> int:
+        """New tokens in generate()'s output: as many as standard decoding's steps."""
+        rows = self.rows
+        if not self.freeze and None not in rows.stop_at:
+            return min(max(rows.stop_at), max(rows.max_new_h))
+        return max(rows.gen_h)
 
-    if streamer is not None:
-        streamer.end()
-    new = output_length(rows, freeze)
-    stats.drafted, stats.accepted = drafted, accepted
-    stats.committed = [min(g, new) for g in rows.gen_h]
-    stats.row_cycles = [c - 1 for c in row_cycles]  # the prefill is not a cycle
-    stats.cache_bytes = fwd.cache.nbytes
-    sequences = rows.tokens[:, : prompt_len + new].clone()
-    past_end = torch.arange(sequences.shape[1], device=device) >= (prompt_len + rows.gen)[:, None]
-    return sequences.masked_fill_(past_end, pad_id), rows
+    def fill_stats(self, stats, new: int) -> None:
+        """generate()'s DecodingStats: per row, and the gate's decisions per cycle."""
+        stats.cycles, stats.k_per_cycle, stats.draft_passes = self.cycles, self.k_per_cycle, sum(self.k_per_cycle)
+        stats.drafted, stats.accepted, stats.row_cycles = self.drafted, self.accepted, self.row_cycles
+        stats.committed = [min(g, new) for g in self.rows.gen_h]
+        stats.cache_bytes = self.fwd.cache.nbytes
+
+    def sequences(self, idx: list[int], length: int, pad_id: int):
+        """[n, length] tokens of rows ``idx`` (prompt and generated), padding past each row's end."""
+        seqs = self.rows.tokens[idx, :length].clone()
+        ends = torch.tensor([self.rows.plen_h[r] + self.rows.gen_h[r] for r in idx], device=seqs.device)
+        return seqs.masked_fill_(torch.arange(length, device=seqs.device) >= ends[:, None], pad_id)
 
 
 class PassTimer:

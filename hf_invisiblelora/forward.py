@@ -5,10 +5,12 @@ One protocol, two implementations:
     fwd(ids, start, kv_len, keep, lora_on=True, prefix=None, rows=None) -> logits [b, keep, V]
         one pass over ``ids`` [b, q], row b's tokens written at cache slots start[b] .. start[b]+q-1,
         attending to the first ``kv_len`` slots, LoRA on (each row its adapter) or off (the drafter);
-        ``prefix``: the pass computes the first slots as standard decoding's one call over ``prefix``
-        slots did (the prompt's pass: P); ``rows``: the rows it runs, if not all (eager only)
-    fwd.cache   the shared KV cache (cache.py)
-    fwd.builds  passes compiled or captured during this call (their timings are not steady state)
+        ``rows``: the rows it runs: all (None), the first ones (a slice from 0) or some (an index
+        tensor: a prefill); ``prefix``: the pass computes the first slots as standard decoding's one
+        call over ``prefix`` slots did (a prompt's pass: P)
+    fwd.set_rows(names)  each row's adapter, when rows change
+    fwd.layout  the rows' slot tables (layout.py); fwd.cache  the shared KV cache (cache.py)
+    fwd.builds  passes compiled or captured so far (their timings are not steady state)
 
 ``EagerForward`` runs each pass as it comes. ``CompiledForward`` gives every pass fixed shapes and
 compiles it once per bucket:
@@ -39,6 +41,7 @@ import torch
 
 from . import kernels
 from .cache import SharedCache, model_pass
+from .checks import BASE
 from .layout import RowLayout
 
 logger = logging.getLogger("hf_invisiblelora")
@@ -46,13 +49,18 @@ COMPILE_OPTIONS = ("auto", True, False)
 
 
 class EagerForward:
-    """Passes as they come: the batch as it is, attending to the first ``kv_len`` cache slots."""
+    """Passes as they come: the rows as they are, attending to the first ``kv_len`` cache slots.
+    ``capacity`` rows of ``width`` slots."""
 
     builds = 0
 
-    def __init__(self, model, lora, layout: RowLayout):
-        self.model, self.lora, self.layout = model, lora, layout
-        self.cache = SharedCache(model.config, layout.width)
+    def __init__(self, model, lora, capacity: int, width: int, device):
+        self.model, self.lora = model, lora
+        self.layout = RowLayout(model, capacity, width, device)
+        self.cache = SharedCache(model.config, capacity, width)
+
+    def set_rows(self, names) -> None:
+        pass
 
     def __call__(self, ids, start, kv_len: int, keep: int, lora_on: bool = True, prefix=None, rows=None):
         self.lora.on(rows) if lora_on else self.lora.off()
@@ -97,7 +105,7 @@ class Bucket:
     """What persists across calls for one (rows, cache length): cache, buffers, compiled passes."""
 
     def __init__(self, config, rows: int, length: int, device):
-        self.cache = SharedCache(config, length)
+        self.cache = SharedCache(config, rows, length)
         self.start = torch.zeros(rows, dtype=torch.long, device=device)
         self.ids = {}  # q -> [rows, q] input buffer
         self.inputs = {}  # q -> (masks, position_ids) buffers
@@ -114,18 +122,6 @@ def _own_code(fn, tag: str):
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
-def _padded(layout_args, rows: int):
-    """The prompt mask and positions of a batch padded to ``rows`` rows: a padded row sees its slot 0 only."""
-    mask, positions = layout_args
-    b, p = positions.shape
-    full = torch.zeros(rows, p, dtype=torch.long, device=positions.device)
-    full[b:, 0] = 1
-    full[:b] = 1 if mask is None else mask
-    pos = positions.new_zeros(rows, p)
-    pos[:b] = positions
-    return full, pos
-
-
 def _copy_into(buffer, value):
     if isinstance(buffer, dict):
         for k in buffer:
@@ -137,40 +133,40 @@ def _copy_into(buffer, value):
 class CompiledForward:
     """Passes with fixed shapes (see the module docstring); same protocol as ``EagerForward``.
 
-    ``buckets``: the model's store of Bucket objects (kept across calls); ``row_slots``: each row's
-    adapter slot in ``bank``.
+    ``buckets``: the model's store of Bucket objects (kept across calls); ``capacity`` rows of at
+    least ``width`` slots; ``widths``: the tokens per row of the passes to compile (1 .. K + 1).
     """
 
-    def __init__(self, model, buckets: dict, bank, row_slots, prompt_mask, positions, width: int, last_used: int,
-                 backend: str, widths: range):
-        b = positions.shape[0]
+    def __init__(self, model, buckets: dict, bank, capacity: int, width: int, device, backend: str, widths: range):
         self.model, self.bank, self.backend, self.widths = model, bank, backend, widths
-        self.b, self.rows, self.length = b, row_bucket(b), length_bucket(width)
+        self.rows, self.length = row_bucket(capacity), length_bucket(width)
         self.builds = 0
-        key = (positions.device, model.dtype, self.rows, self.length)
+        key = (device, model.dtype, self.rows, self.length)
         if key not in buckets:
-            buckets[key] = Bucket(model.config, self.rows, self.length, positions.device)
+            buckets[key] = Bucket(model.config, self.rows, self.length, device)
         self.state = state = buckets[key]
         if backend == "cuda_graphs" and state.bank_version != self.bank.version:
             state.passes, state.bank_version = {}, self.bank.version
         self.cache = state.cache
-        mask, pos = _padded((prompt_mask, positions), self.rows)
-        self.layout = RowLayout(model, mask, pos, self.length, last_used)
-        self.row_slots = torch.full((self.rows,), -1, dtype=torch.long, device=positions.device)
-        self.row_slots[:b] = row_slots
-        self.fresh_metas = set()  # q whose metadata buffers hold this call's rows
+        self.layout = RowLayout(model, self.rows, self.length, device)
+        self.row_slots = torch.full((self.rows,), -1, dtype=torch.long, device=device)
+        self.fresh_metas = set()  # q whose metadata buffers hold the current rows
+
+    def set_rows(self, names) -> None:
+        self.row_slots = torch.full_like(self.row_slots, -1)
+        self.row_slots[: len(names)] = self.bank.slots([a or BASE for a in names])
+        self.fresh_metas = set()
 
     def __call__(self, ids, start, kv_len: int, keep: int, lora_on: bool = True, prefix=None, rows=None):
         b, q = ids.shape
         state = self.state
-        if rows is not None:
-            raise NotImplementedError("compiled passes run all rows")
-        if prefix is not None or q not in self.widths:  # eager, on the same fixed shapes
-            padded = ids.new_zeros(self.rows, q)
-            padded[:b] = ids
-            self.bank.set_meta({self.rows * w: self._static_meta(w) for w in {q, keep}} if lora_on else None)
-            masks, position_ids = self.layout.begin_pass(state.start.zero_(), q, self.length, prefix)
-            return model_pass(self.model, self.cache, masks, position_ids, padded, state.start, self.length, keep)[:b]
+        if isinstance(rows, torch.Tensor) or prefix is not None or q not in self.widths:
+            # A prefill of some rows: eager, on the bucket's cache.
+            rows = torch.arange(b, device=ids.device) if rows is None else rows
+            self.bank.set_batch(self.row_slots[rows] if lora_on else None)
+            masks, position_ids = self.layout.begin_pass(start, q, kv_len, prefix, rows)
+            return model_pass(self.model, self.cache, masks, position_ids, ids, start, kv_len, keep, rows)
+        # Rows 0..b-1 (the others ride along on what their buffers hold) over the whole bucket.
         if q not in state.ids:
             state.ids[q] = ids.new_zeros(self.rows, q)
         state.ids[q][:b] = ids

@@ -78,13 +78,16 @@ def expected_tokens(a: float, remaining: int, k: int) -> float:
 class Gate:
     """Chooses k for each cycle of one generate call; learns into a ``GateMemory``."""
 
-    def __init__(self, mode: str, max_k: int, adapter_names: list[str], memory: GateMemory, base: str,
-                 variant: str = "eager"):
-        self.mode, self.max_k, self.memory = mode, max_k, memory
+    def __init__(self, mode: str, max_k: int, memory: GateMemory, base: str, variant: str = "eager"):
+        self.mode, self.max_k, self.memory, self.base, self.variant = mode, max_k, memory, base, variant
+        self.set_rows([])
+
+    def set_rows(self, adapter_names: list) -> None:
+        """The adapter of each row of the next cycles (None: a free row)."""
         self.names = adapter_names
         # What a pass's cost depends on: rows, distinct adapters, eager or compiled.
-        self.shape = (len(adapter_names), len(set(adapter_names)), variant)
-        self.is_base = [a == base for a in adapter_names]
+        self.shape = (len(adapter_names), len(set(a for a in adapter_names if a is not None)), self.variant)
+        self.is_base = [a == self.base for a in adapter_names]
 
     def choose(self, remaining: list[int]) -> int:
         """k for the next cycle; ``remaining[b]``: tokens row b may still generate (0: finished)."""

@@ -85,23 +85,15 @@ def prompt_positions(attention_mask: torch.Tensor | None, input_ids: torch.Tenso
 
 
 class RowLayout:
-    """Slot tables of one call (see the module docstring) and the masks / positions of each pass.
+    """Slot tables of a decoder's rows (see the module docstring) and the masks / positions of each pass.
 
-    ``width``: slots per row. ``last_used``: the last slot standard decoding ever feeds to the
-    model (P + max_new - 2); slots past it (drafts of rows that are ahead) get its position, so
-    learned position tables are never read past what standard decoding reads.
+    ``capacity`` rows of ``width`` slots; ``load`` fills the rows a prompt starts on.
     """
 
-    def __init__(self, model, prompt_mask, positions, width: int, last_used: int):
-        b, p = positions.shape
-        device = positions.device
-        self.prompt_len, self.width = p, width
-        self.valid = torch.ones(b, width, dtype=torch.bool, device=device)
-        if prompt_mask is not None:
-            self.valid[:, :p] = prompt_mask.bool()
-        after = positions[:, -1:] + torch.arange(1, width - p + 1, device=device)
-        self.positions = torch.cat([positions.long(), after], 1)
-        self.positions[:, last_used + 1 :] = self.positions[:, last_used : last_used + 1]
+    def __init__(self, model, capacity: int, width: int, device):
+        self.width = width
+        self.valid = torch.ones(capacity, width, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(capacity, width, dtype=torch.long, device=device)
         text = model.config.get_text_config(decoder=True)
         self.makers = mask_makers(model, text)
         kinds, kwargs = get_layer_types_and_kwargs(text)
@@ -119,6 +111,21 @@ class RowLayout:
         self.query = None  # [b, q] query slots of the current pass
         self.rows = None  # the rows it runs (None: all)
         self.prefix = None  # L if it computes slots [0, q) as standard decoding's one call over slots [0, L) did
+
+    def load(self, idx, prompt_mask, positions, last_used: list[int]) -> None:
+        """Rows ``idx`` start on a prompt of P slots: its attention mask (None: all ones) and position
+        ids [n, P]. ``last_used[i]``: the last slot standard decoding would feed for that row (its
+        P + max_new - 2); slots past it (drafts of rows that are ahead) get its position, so learned
+        position tables are never read past what standard decoding reads."""
+        n, p = positions.shape
+        valid = torch.ones(n, self.width, dtype=torch.bool, device=positions.device)
+        if prompt_mask is not None:
+            valid[:, :p] = prompt_mask.bool()
+        after = positions[:, -1:] + torch.arange(1, self.width - p + 1, device=positions.device)
+        table = torch.cat([positions.long(), after], 1)
+        for i, last in enumerate(last_used):
+            table[i, last + 1 :] = table[i, last]
+        self.valid[idx], self.positions[idx] = valid, table
 
     def begin_pass(self, start: torch.Tensor, q: int, kv_len: int, prefix: int | None = None, rows=None):
         """Masks (a tensor, or a dict by layer type) and position_ids [b, q] for a pass writing

@@ -86,19 +86,19 @@ def split_criteria(criteria) -> StoppingCriteriaList:
     return StoppingCriteriaList(c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)))
 
 
-def first_stop(criteria: StoppingCriteriaList, tokens: torch.Tensor, prompt_len: int, gen: list[int],
+def first_stop(criteria: StoppingCriteriaList, tokens: torch.Tensor, plen: list[int], gen: list[int],
                counts: list[int]) -> list[int | None]:
-    """For rows committing ``counts[b]`` tokens after their ``gen[b]``: the number kept up to and
-    including the first token that stops the row, or None if none does.
+    """For rows committing ``counts[b]`` tokens after their ``plen[b] + gen[b]``: the number kept up
+    to and including the first token that stops the row, or None if none does.
 
     The criteria see the whole batch's first L tokens for each length L a row reaches, as at
     standard decoding's step of that length (``scores`` is None, as there unless scores are output).
     """
     stop = [None] * len(gen)
     lengths = {}
-    for r, (g, c) in enumerate(zip(gen, counts)):
+    for r, (p, g, c) in enumerate(zip(plen, gen, counts)):
         for j in range(c):
-            lengths.setdefault(prompt_len + g + j + 1, []).append((r, j))
+            lengths.setdefault(p + g + j + 1, []).append((r, j))
     for length, at in sorted(lengths.items()):
         pending = [(r, j) for r, j in at if stop[r] is None]
         if not pending:

@@ -104,10 +104,10 @@ class StepRotary:
             sin[r, t] = s[r, 0]
         return cos, sin
 
-    def finish(self, new_tokens: int) -> None:
+    def finish(self, prompt_len: int, new_tokens: int) -> None:
         """Leave each module as standard decoding does after ``new_tokens`` tokens: its last step fed
         slot P + new_tokens - 2 (the last token is never fed)."""
-        last = self.layout.prompt_len + new_tokens - 2
+        last = prompt_len + new_tokens - 2
         for m, calls in self.calls.items():
             _restore(m, self.after_prefill[m])
             if new_tokens >= 2:
@@ -147,11 +147,11 @@ class Recompute:
         self.slot = slot
         self.done = [False] * batch
 
-    def cap(self, rows, n, next_token, drafts):
-        """Accepted drafts ``n`` and next tokens, cut so that rows not yet recomputed commit
-        only tokens predicted from queries before R (an accepted draft is itself the next token)."""
-        start = rows.ends() - 1
-        pending = torch.tensor([not d for d in self.done], device=n.device)
+    def cap(self, rows, hi: int, n, next_token, drafts):
+        """Accepted drafts ``n`` and next tokens of rows 0..hi-1, cut so that rows not yet recomputed
+        commit only tokens predicted from queries before R (an accepted draft is itself the next token)."""
+        start = rows.ends(hi) - 1
+        pending = torch.tensor([not d for d in self.done[:hi]], device=n.device)
         limit = torch.where(pending, (self.slot - 1 - start).clamp(min=0), n).minimum(n)
         cut = limit < n
         if bool(cut.any()):
@@ -159,7 +159,7 @@ class Recompute:
         return limit, next_token
 
     def before_verify(self, fwd, rows) -> None:
-        at = [r for r in rows.active if not self.done[r] and rows.prompt_len + rows.gen_h[r] - 1 == self.slot]
+        at = [r for r in rows.active if not self.done[r] and rows.plen_h[r] + rows.gen_h[r] - 1 == self.slot]
         if not at:
             return
         idx = torch.tensor(at, device=rows.tokens.device)

@@ -21,7 +21,9 @@ def gate_with(costs_by_q, draft_cost, acceptance, rows=ROWS, mode="auto"):
         mem.costs[("draft", shape)] = draft_cost
     for name, a in acceptance.items():  # strong evidence, far above the prior's weight
         mem.accepted[name], mem.trials[name] = 1000 * a, 1000.0
-    return Gate(mode, K, rows, mem, "__base__")
+    gate = Gate(mode, K, mem, "__base__")
+    gate.set_rows(rows)
+    return gate
 
 
 def brute_force_best(costs_by_q, draft_cost, acc):
@@ -94,7 +96,8 @@ def test_calibrates_then_explores_with_backoff():
     # Measured: drafting does not pay. Plain steps, a k = 1 re-check after PROBE_AFTER, the next 2x later,
     # and the backoff carries over to the next generate call (a new Gate on the same memory).
     picks = [g.choose([50] * 4) for _ in range(2 * PROBE_AFTER)]
-    later = Gate("auto", K, ROWS, g.memory, "__base__")
+    later = Gate("auto", K, g.memory, "__base__")
+    later.set_rows(ROWS)
     picks += [later.choose([50] * 4) for _ in range(2 * PROBE_AFTER)]
     assert [(i, k) for i, k in enumerate(picks) if k] == [(PROBE_AFTER - 1, 1), (3 * PROBE_AFTER - 1, 1)]
 
