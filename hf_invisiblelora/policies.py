@@ -14,6 +14,7 @@ the row indices of a prefill).
 from __future__ import annotations
 
 import torch
+from transformers.generation import logits_process as lp
 
 from .acceptance import accept_greedy, accept_sampling, sample
 from .processors import process_scores
@@ -51,4 +52,72 @@ class GeneratePolicy:
     def accept(self, drafts, draft_probs, scores, rows, which):
         if self.do_sample:
             return accept_sampling(drafts, draft_probs, scores, self.generator)
+        return accept_greedy(drafts, scores)
+
+
+class RequestPolicy:
+    """Each row its own request (engine.py): greedy (temperature 0) or sampled with its temperature,
+    top-k and top-p, applied as generate() applies them (Transformers' warpers, in its order).
+
+    Sampling is greedy decoding on log-probabilities plus Gumbel noise: with g_i the noise drawn for
+    generated position i from the request's seed, the token at i is argmax(log p_i + g_i), an exact
+    sample from p_i (the Gumbel-max trick). The drafter's picks use the same noise, so drafts are
+    accepted when they equal the target's pick, and the output depends only on the request: not on
+    its batch mates, nor on how many tokens the gate drafted.
+    """
+
+    def __init__(self, capacity: int, device):
+        self.device = device
+        self.settings = [None] * capacity  # (temperature, top_k, top_p) per row
+        self.generators = [None] * capacity
+        self.noise = [{} for _ in range(capacity)]  # row -> {generated position: Gumbel noise [V]}
+        self.drawn = [0] * capacity  # positions drawn so far, in order: noise i is the i-th draw
+
+    def set_request(self, r: int, request) -> None:
+        self.settings[r] = (request.temperature, request.top_k, request.top_p)
+        seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()).item())
+        self.generators[r] = torch.Generator(device=self.device).manual_seed(seed)
+        self.noise[r], self.drawn[r] = {}, 0
+
+    def load(self, idx) -> None:
+        pass
+
+    def _gumbel(self, r: int, position: int, vocab: int):
+        noise = self.noise[r]
+        while self.drawn[r] <= position:
+            u = torch.rand(vocab, generator=self.generators[r], device=self.device).clamp_(min=1e-20, max=1 - 1e-7)
+            noise[self.drawn[r]] = -torch.log(-torch.log(u))
+            self.drawn[r] += 1
+        return noise[position]
+
+    def scores(self, rows, which, logits, offset: int):
+        idx = _idx(rows, which)
+        scores = logits.float()
+        n, q, v = scores.shape
+        groups = {}
+        for i, r in enumerate(idx):
+            if not rows.done_h[r] and self.settings[r] is not None and self.settings[r][0] > 0:
+                groups.setdefault(self.settings[r], []).append(i)
+        for (temperature, top_k, top_p), members in groups.items():
+            warpers = [lp.TemperatureLogitsWarper(temperature)]
+            if top_k:
+                warpers.append(lp.TopKLogitsWarper(top_k))
+            if top_p < 1:
+                warpers.append(lp.TopPLogitsWarper(top_p))
+            sub = scores[members].reshape(-1, v)
+            for w in warpers:
+                sub = w(None, sub)
+            sub = sub.log_softmax(-1).reshape(len(members), q, v)
+            for j, i in enumerate(members):
+                r = idx[i]
+                start = rows.gen_h[r] + offset
+                self.noise[r] = {p: g for p, g in self.noise[r].items() if p >= rows.gen_h[r]}  # committed: not needed
+                sub[j] += torch.stack([self._gumbel(r, start + t, v) for t in range(q)])
+            scores[members] = sub
+        return scores
+
+    def pick(self, scores, rows, which, offset: int):
+        return scores.argmax(-1), None
+
+    def accept(self, drafts, draft_probs, scores, rows, which):
         return accept_greedy(drafts, scores)

@@ -1,0 +1,338 @@
+"""Continuous batching: requests join free rows of one shared cache between cycles and leave as soon
+as they are done, each with its own adapter and sampling settings (the OpenAI-compatible server in
+serve.py runs on it; it is a plain object and needs no HTTP).
+
+    engine = Engine(peft_model, max_batch=8)
+    engine.start()
+    handle = engine.submit(Request(prompt_ids, adapter="poetry", max_tokens=64, temperature=0.7, seed=1))
+    for tokens in handle:            # committed tokens, as the cycles commit them
+        ...
+    handle.finish_reason             # "stop" (EOS or stopped by the caller) or "length"
+    engine.stop()
+
+Each cycle the engine admits waiting requests into free rows (one prefill of those rows), then
+runs one decoder cycle (decoding.py: the gate's drafts, one verify pass over every active row,
+acceptance) and hands each request its committed tokens. A request's output does not depend on
+what else shares the batch: greedy output equals standalone ``generate()`` of its prompt with its
+adapter, and sampling with a seed gives the same tokens whatever the batch (policies.RequestPolicy).
+
+Adapters can be loaded and unloaded while serving (between cycles; unloading one that a request
+uses is refused). The engine holds the model's InvisibleLoRA lock while it runs: other
+``generate(invisible_lora=True)`` calls on the model wait until it stops.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .adapters import BankSwitch
+from .checks import BASE, check_model
+from .decoding import Decoder
+from .forward import EagerForward
+from .gate import Gate
+from .policies import RequestPolicy
+from .rotary import length_dependent
+from .state import state_of
+
+logger = logging.getLogger("hf_invisiblelora")
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    """One completion: prompt token ids, adapter ("__base__": none) and sampling settings
+    (temperature 0: greedy; top_k 0: no limit). ``on_tokens(tokens)``, if given, is called (on the
+    engine's thread) with each chunk of committed tokens; returning True stops the request there
+    (stop strings)."""
+
+    prompt: list
+    adapter: str = BASE
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    on_tokens: object = None
+    id: int = field(default_factory=lambda: next(_ids))
+
+
+class Handle:
+    """A submitted request: iterate to get its committed token chunks; ``cancel()`` frees its row
+    at the next cycle. ``finish_reason``: "stop", "length", "cancelled" or "error" once finished."""
+
+    def __init__(self, request: Request, engine: "Engine"):
+        self.request, self.engine = request, engine
+        self.tokens: list[int] = []
+        self.finish_reason = None
+        self.error = None
+        self.drafted = self.accepted = 0
+        self._chunks = queue.Queue()
+        self.done = threading.Event()
+
+    def cancel(self) -> None:
+        self.engine._cancel(self)
+
+    def _put(self, tokens: list[int]) -> bool:
+        self.tokens += tokens
+        self._chunks.put(tokens)
+        return bool(self.request.on_tokens and self.request.on_tokens(tokens))
+
+    def _finish(self, reason: str, error: str | None = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason, self.error = reason, error
+            self._chunks.put(None)
+            self.done.set()
+
+    def __iter__(self):
+        while (chunk := self._chunks.get()) is not None:
+            yield chunk
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """All generated tokens, once finished."""
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"request {self.request.id} not finished after {timeout} s")
+        return self.tokens
+
+
+class Engine:
+    """A fixed number of rows (``max_batch``) over one shared cache of ``max_len`` slots per row
+    (prompt + new tokens + drafts). See the module docstring."""
+
+    def __init__(self, model, max_batch: int = 8, max_len: int = 1024, num_draft_tokens: int = 4,
+                 gate: str = "auto"):
+        check_model(model)
+        inner = model.get_base_model()
+        if any(length_dependent(m) for m in inner.modules()):
+            raise ValueError("The serving engine does not support rotary embeddings that depend on the sequence "
+                             "length (dynamic NTK, LongRoPE): their frequencies follow the batch's longest row.")
+        self.model, self.inner = model, inner
+        self.max_batch, self.max_len, self.num_draft_tokens, self.gate_mode = max_batch, max_len, num_draft_tokens, gate
+        limit = getattr(inner.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        self.max_positions = limit
+        self.state = state_of(model)
+        eos = inner.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos = torch.tensor(eos, device=inner.device) if eos else None
+        self.pad_id = inner.generation_config.pad_token_id or (eos[0] if eos else 0)
+        self._waiting = collections.deque()
+        self._commands = queue.Queue()
+        self._wake = threading.Condition()
+        self._handles = [None] * max_batch  # the request in each row
+        self._cancelled = set()
+        self._thread = None
+        self._running = False
+        self.metrics = dict(cycles=0, tokens=0, k_hist=collections.Counter(),
+                            drafted=collections.Counter(), accepted=collections.Counter(), requests=0)
+
+    # --- the client side (any thread) ---
+
+    def submit(self, request: Request) -> Handle:
+        """Queue a request; it joins a free row at the next cycle. Bad requests raise ValueError."""
+        self.validate(request)
+        handle = Handle(request, self)
+        with self._wake:
+            self._waiting.append(handle)
+            self._wake.notify()
+        return handle
+
+    def validate(self, request: Request) -> None:
+        if not request.prompt:
+            raise ValueError("The prompt is empty.")
+        if request.adapter != BASE and request.adapter not in self.model.peft_config:
+            raise ValueError(f"Unknown adapter {request.adapter!r}; loaded: {self.adapters()}.")
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}.")
+        if not request.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {request.temperature}.")
+        if not 0 < request.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {request.top_p}.")
+        if request.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {request.top_k}.")
+        need = len(request.prompt) + request.max_tokens
+        if need + self.num_draft_tokens + 1 > self.max_len or (self.max_positions and need > self.max_positions):
+            allowed = min(self.max_len - self.num_draft_tokens - 1, self.max_positions or self.max_len)
+            raise ValueError(f"The prompt ({len(request.prompt)} tokens) plus max_tokens ({request.max_tokens}) is "
+                             f"longer than this server allows ({allowed} tokens); shorten the prompt or max_tokens.")
+
+    def adapters(self) -> list[str]:
+        return list(self.model.peft_config)
+
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    def running(self) -> int:
+        return sum(h is not None for h in self._handles)
+
+    def load_adapter(self, name: str, path: str, timeout: float = 600) -> None:
+        """Load a PEFT adapter between cycles."""
+        if name == BASE or name in self.model.peft_config:
+            raise ValueError(f"An adapter named {name!r} is already loaded (or reserved).")
+        self._command(lambda: self.model.load_adapter(path, adapter_name=name), timeout)
+
+    def unload_adapter(self, name: str, timeout: float = 600) -> None:
+        """Unload an adapter between cycles; refused while a request uses it."""
+        def unload():
+            if name not in self.model.peft_config:
+                raise ValueError(f"No adapter named {name!r} is loaded; loaded: {self.adapters()}.")
+            busy = [h for h in list(self._waiting) + self._handles if h is not None and h.request.adapter == name]
+            if busy:
+                raise RuntimeError(f"Adapter {name!r} is in use by {len(busy)} request(s); unload it when they are done.")
+            self.model.delete_adapter(name)
+        self._command(unload, timeout)
+
+    def _command(self, fn, timeout):
+        if not self._running:
+            raise RuntimeError("The engine is not running.")
+        done, box = threading.Event(), {}
+        with self._wake:
+            self._commands.put((fn, done, box))
+            self._wake.notify()
+        if not done.wait(timeout):
+            raise TimeoutError("the engine did not run the command in time")
+        if "error" in box:
+            raise box["error"]
+
+    def _cancel(self, handle: Handle) -> None:
+        with self._wake:
+            if handle in self._waiting:
+                self._waiting.remove(handle)
+                handle._finish("cancelled")
+            else:
+                self._cancelled.add(handle.request.id)
+            self._wake.notify()
+
+    def start(self) -> "Engine":
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="hf_invisiblelora-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 60) -> None:
+        with self._wake:
+            self._running = False
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- the engine's thread ---
+
+    def _run(self) -> None:
+        state, inner = self.state, self.inner
+        with state.lock:
+            state.owner = threading.get_ident()
+            try:
+                lora = BankSwitch(self.model, mixed=True)
+                fwd = EagerForward(inner, lora, self.max_batch, self.max_len, inner.device)
+                gate = Gate(self.gate_mode, self.num_draft_tokens, state.gate, BASE)
+                decoder = Decoder(fwd, lora, RequestPolicy(self.max_batch, inner.device), gate,
+                                  capacity=self.max_batch, pad_id=self.pad_id, eos=self.eos)
+                while self._running:
+                    self._serve(decoder)
+                    self._run_commands()
+                    # An adapter change: a new bank (its slots may move); the rows in flight keep going.
+                    decoder.lora = fwd.lora = lora = BankSwitch(self.model, mixed=True)
+                    lora.set_rows(decoder.names)
+                    fwd.set_rows(decoder.names)
+            except Exception as e:  # noqa: BLE001 - every request learns the engine failed
+                logger.exception("hf_invisiblelora engine failed")
+                for h in list(self._waiting) + self._handles:
+                    if h is not None:
+                        h._finish("error", f"{type(e).__name__}: {e}")
+                self._running = False
+            finally:
+                state.owner = None
+
+    def _serve(self, decoder: Decoder) -> None:
+        """Cycles until a command (an adapter change) arrives or the engine stops."""
+        with decoder.lora.installed(), torch.no_grad():
+            while True:
+                with self._wake:
+                    while self._running and self._commands.empty() and not self._waiting and not self.running():
+                        self._wake.wait()
+                if not self._commands.empty() or not self._running:
+                    return
+                self._drop_cancelled(decoder)
+                self._admit(decoder)
+                if decoder.rows.active:
+                    self._deliver(decoder, decoder.cycle())
+                    self.metrics["cycles"] += 1
+                    self.metrics["k_hist"][decoder.k_per_cycle[-1]] += 1
+                    decoder.k_per_cycle.clear()  # a long run keeps no per-cycle list
+
+    def _run_commands(self) -> None:
+        while not self._commands.empty():
+            fn, done, box = self._commands.get()
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+            done.set()
+
+    def _admit(self, decoder: Decoder) -> None:
+        free = [r for r, h in enumerate(self._handles) if h is None]
+        joining = []
+        with self._wake:
+            while free and self._waiting:
+                joining.append((free.pop(0), self._waiting.popleft()))
+        if not joining:
+            return
+        device = self.inner.device
+        width = max(len(h.request.prompt) for _, h in joining)
+        ids = torch.full((len(joining), width), self.pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for i, (_, h) in enumerate(joining):  # left-padded: a row's slots follow its own positions
+            n = len(h.request.prompt)
+            ids[i, width - n:] = torch.tensor(h.request.prompt, device=device)
+            mask[i, width - n:] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        idx = [r for r, _ in joining]
+        for r, h in joining:
+            self._handles[r] = h
+            decoder.policy.set_request(r, h.request)
+        self.metrics["requests"] += len(joining)
+        kept = decoder.admit(idx, ids, mask, positions, [h.request.max_tokens for _, h in joining],
+                             [h.request.adapter for _, h in joining])
+        self._deliver(decoder, kept)
+
+    def _deliver(self, decoder: Decoder, kept: list[int]) -> None:
+        rows = decoder.rows
+        for r, n in enumerate(kept):
+            h = self._handles[r]
+            if h is None:
+                continue
+            if n:
+                end = rows.plen_h[r] + rows.gen_h[r]
+                self.metrics["tokens"] += n
+                stop = h._put(rows.tokens[r, end - n : end].tolist())
+                if stop:
+                    rows.done_h[r] = True
+                    self._release(decoder, r, "stop")
+                    continue
+            if rows.done_h[r]:
+                reason = "length" if rows.gen_h[r] >= rows.max_new_h[r] and rows.stop_at[r] is None else "stop"
+                self._release(decoder, r, reason)
+
+    def _drop_cancelled(self, decoder: Decoder) -> None:
+        with self._wake:
+            cancelled, self._cancelled = self._cancelled, set()
+        for r, h in enumerate(self._handles):
+            if h is not None and h.request.id in cancelled:
+                decoder.rows.done_h[r] = True
+                self._release(decoder, r, "cancelled")
+
+    def _release(self, decoder: Decoder, r: int, reason: str) -> None:
+        h = self._handles[r]
+        name = h.request.adapter
+        h.drafted, h.accepted = decoder.drafted[r], decoder.accepted[r]
+        self.metrics["drafted"][name] += decoder.drafted[r]
+        self.metrics["accepted"][name] += decoder.accepted[r]
+        self._handles[r] = None
+        decoder.names[r] = None
+        h._finish(reason)
