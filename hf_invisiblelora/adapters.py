@@ -18,8 +18,8 @@ from .state import forwards
 def _key(rows):
     """A hashable key for a pass's rows: None (all), a slice, or a tensor of row indices."""
     if rows is None or isinstance(rows, slice):
-        return None if rows is None else (rows.start, rows.stop)
-    return tuple(rows.tolist())
+        return None if rows is None else ("first", rows.stop)
+    return ("some", *rows.tolist())
 
 
 class PeftSwitch:
@@ -49,8 +49,8 @@ class PeftSwitch:
     def on(self, rows=None) -> None:
         self.lora = True
         if self.mixed:
-            key = _key(rows)
-            idx = range(len(self.all_names)) if key is None else range(*key) if isinstance(rows, slice) else key
+            idx = range(len(self.all_names)) if rows is None else \
+                range(*rows.indices(len(self.all_names))) if isinstance(rows, slice) else rows.tolist()
             self.names = [self.all_names[r] for r in idx]
 
     def off(self) -> None:

@@ -119,7 +119,8 @@ def chi_square_p(samples: list, dist: dict) -> float:
     observed = [sum(1 for s in samples if s == c) for c in cells]
     if sum(observed) < len(samples):
         return 0.0  # a sample outside the target's support is impossible under the target
-    expected = [dist[c] * len(samples) for c in cells]
+    total = sum(dist.values())  # 1 up to rounding, which scipy's chisquare checks against the counts
+    expected = [dist[c] / total * len(samples) for c in cells]
     obs, exp, o, e = [], [], 0, 0.0
     for oi, ei in zip(observed, expected):
         o, e = o + oi, e + ei

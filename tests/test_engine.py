@@ -1,0 +1,198 @@
+"""The continuous-batching engine: each request decodes as standalone generate() of its prompt with
+its adapter (float64, greedy), whatever shares the batch; seeded sampling is reproducible per
+request and exact; rows are freed by cancellation; adapters load and unload while serving."""
+
+import threading
+
+import pytest
+import torch
+from peft import LoraConfig
+
+import hf_invisiblelora  # noqa: F401
+from hf_invisiblelora.engine import Engine, Request
+from hf_invisiblelora.testing import ADAPTERS, EOS, chi_square_p, tiny_peft
+
+NAMES = ["a", "b", "__base__", "c", "d"]
+
+
+def standalone(model, prompt, adapter, max_tokens, **kw):
+    out = model.generate(input_ids=torch.tensor([prompt]), adapter_names=[adapter], max_new_tokens=max_tokens,
+                         do_sample=False, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompt(g, n, vocab=64):
+    return torch.randint(2, vocab, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_peft("llama", strength=0.6)
+
+
+@pytest.mark.parametrize("k, gate", [(2, "always"), (4, "auto"), (0, "never")])
+def test_requests_decode_as_standalone_generate(model, k, gate):
+    """More requests than rows, of different lengths and budgets, arriving while others decode."""
+    g = torch.Generator().manual_seed(k)
+    engine = Engine(model, max_batch=3, max_len=64, num_draft_tokens=k, gate=gate).start()
+    try:
+        jobs = []
+        for i in range(11):
+            prompt, name = random_prompt(g, 1 + i % 6), NAMES[i % 5]
+            jobs.append((prompt, name, engine.submit(Request(prompt, adapter=name, max_tokens=3 + i % 7, temperature=0))))
+        for prompt, name, handle in jobs:
+            out = handle.result(120)
+            assert out == standalone(model, prompt, name, handle.request.max_tokens), (prompt, name)
+            assert handle.finish_reason == "length"
+    finally:
+        engine.stop()
+    assert engine.running() == 0 and engine.metrics["requests"] == 11
+
+
+def test_eos_finishes_a_request_early(model):
+    g = torch.Generator().manual_seed(5)
+    prompt = random_prompt(g, 4)
+    free = standalone(model, prompt, "b", 12)
+    at = next(i for i in range(2, 12) if free[i] not in free[:i])  # a token the request first produces there
+    eos_model = tiny_peft("llama", strength=0.6)
+    eos_model.generation_config.eos_token_id = free[at]
+    expected = standalone(eos_model, prompt, "b", 12)
+    assert expected == free[: at + 1]
+    engine = Engine(eos_model, max_batch=2, max_len=64, num_draft_tokens=3, gate="always").start()
+    try:
+        handle = engine.submit(Request(prompt, adapter="b", max_tokens=12, temperature=0))
+        assert handle.result(60) == expected and handle.finish_reason == "stop"
+    finally:
+        engine.stop()
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model):
+    g = torch.Generator().manual_seed(1)
+    prompt = random_prompt(g, 5)
+    request = dict(adapter="d", max_tokens=10, temperature=0.8, top_k=20, seed=42)
+    alone = Engine(model, max_batch=4, max_len=64, num_draft_tokens=3, gate="always").start()
+    try:
+        first = alone.submit(Request(prompt, **request)).result(60)
+    finally:
+        alone.stop()
+    busy = Engine(model, max_batch=4, max_len=64, num_draft_tokens=1, gate="auto").start()
+    try:
+        others = [busy.submit(Request(random_prompt(g, 3 + i), adapter=NAMES[i], max_tokens=8, temperature=1.0))
+                  for i in range(3)]
+        again = busy.submit(Request(prompt, **request)).result(60)
+        [h.result(60) for h in others]
+        other_seed = busy.submit(Request(prompt, **{**request, "seed": 7})).result(60)
+    finally:
+        busy.stop()
+    assert first == again
+    assert other_seed != first  # the seed matters
+
+
+def exact_first_tokens(model, prompt, adapter, temperature, top_k, steps=2):
+    """P(first ``steps`` tokens) under generate()'s sampling (temperature, then top-k), by enumeration."""
+    from transformers.generation import logits_process as lp
+
+    warpers = [lp.TemperatureLogitsWarper(temperature), lp.TopKLogitsWarper(top_k)]
+    out = {(): 1.0}
+    for _ in range(steps):
+        nxt = {}
+        for prefix, p in out.items():
+            ids = torch.tensor([prompt + list(prefix)])
+            with torch.no_grad():
+                scores = model(input_ids=ids, adapter_names=[adapter]).logits[:, -1].float()
+            for w in warpers:
+                scores = w(ids, scores)
+            probs = scores.softmax(-1)[0]
+            for t in probs.nonzero()[:, 0].tolist():
+                nxt[prefix + (t,)] = p * float(probs[t])
+        out = nxt
+    return out
+
+
+def test_sampling_follows_the_target_distribution():
+    """Gumbel-max sampling with drafts (k = 2) gives generate()'s distribution; the test has power."""
+    model = tiny_peft("llama", vocab=8, adapters=("b", "d"), strength=1.5, seed=1)
+    prompt, n = [5, 2, 7, 3], 600
+    target = exact_first_tokens(model, prompt, "b", 0.8, 3)
+    engine = Engine(model, max_batch=16, max_len=32, num_draft_tokens=2, gate="always").start()
+    try:
+        handles = [engine.submit(Request(prompt, adapter="b", max_tokens=3, temperature=0.8, top_k=3, seed=s))
+                   for s in range(n)]
+        samples = [tuple(h.result(120)[:2]) for h in handles]
+    finally:
+        engine.stop()
+    assert chi_square_p(samples, target) > 1e-3
+    assert chi_square_p(samples, exact_first_tokens(model, prompt, "__base__", 0.8, 3)) < 1e-6
+    assert 0 < sum(h.accepted for h in handles) < sum(h.drafted for h in handles)  # drafts were judged
+
+
+def test_cancel_frees_the_row(model):
+    g = torch.Generator().manual_seed(3)
+    engine = Engine(model, max_batch=1, max_len=200, num_draft_tokens=2, gate="always").start()
+    try:
+        stopped = threading.Event()
+
+        def stop_after_first(tokens):
+            stopped.set()
+            return False
+
+        long = engine.submit(Request(random_prompt(g, 3), adapter="a", max_tokens=150, temperature=0,
+                                     on_tokens=stop_after_first))
+        waiting = engine.submit(Request(random_prompt(g, 3), adapter="b", max_tokens=4, temperature=0))
+        assert stopped.wait(60)
+        long.cancel()
+        assert waiting.result(60) and waiting.finish_reason == "length"  # got the row
+        assert long.finish_reason == "cancelled" and len(long.tokens) < 150
+    finally:
+        engine.stop()
+
+
+def test_on_tokens_can_stop_a_request(model):
+    g = torch.Generator().manual_seed(4)
+    engine = Engine(model, max_batch=2, max_len=64, num_draft_tokens=2, gate="always").start()
+    try:
+        handle = engine.submit(Request(random_prompt(g, 3), adapter="c", max_tokens=30, temperature=0,
+                                       on_tokens=lambda tokens: True))
+        assert handle.result(60) and handle.finish_reason == "stop" and len(handle.tokens) <= 3
+    finally:
+        engine.stop()
+
+
+def test_bad_requests_are_refused(model):
+    engine = Engine(model, max_batch=2, max_len=32, num_draft_tokens=2)
+    for kw, message in [(dict(adapter="nope"), "Unknown adapter"), (dict(max_tokens=0), "max_tokens"),
+                        (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+                        (dict(max_tokens=40), "longer than this server allows")]:
+        with pytest.raises(ValueError, match=message):
+            engine.submit(Request([3, 4, 5], **kw))
+    with pytest.raises(ValueError, match="empty"):
+        engine.submit(Request([]))
+
+
+def test_adapters_load_and_unload_while_serving(tmp_path):
+    model = tiny_peft("llama", adapters=("a", "b"), strength=0.6)
+    donor = tiny_peft("llama", adapters=("d",), strength=0.6, seed=5)
+    donor.save_pretrained(tmp_path)
+    path = tmp_path / "d" if (tmp_path / "d").exists() else tmp_path
+    g = torch.Generator().manual_seed(6)
+    engine = Engine(model, max_batch=2, max_len=64, num_draft_tokens=2, gate="always").start()
+    try:
+        busy = engine.submit(Request(random_prompt(g, 3), adapter="a", max_tokens=40, temperature=0))
+        engine.load_adapter("new", str(path))
+        prompt = random_prompt(g, 4)
+        out = engine.submit(Request(prompt, adapter="new", max_tokens=6, temperature=0)).result(60)
+        assert out == standalone(model, prompt, "new", 6)
+        assert busy.result(60) and busy.finish_reason == "length"
+        long = engine.submit(Request(prompt, adapter="new", max_tokens=50, temperature=0))
+        with pytest.raises(RuntimeError, match="in use"):
+            engine.unload_adapter("new")
+        long.result(60)
+        engine.unload_adapter("new")
+        assert "new" not in engine.adapters()
+        with pytest.raises(ValueError, match="Unknown adapter"):
+            engine.submit(Request(prompt, adapter="new"))
+        again = random_prompt(g, 5)
+        assert engine.submit(Request(again, adapter="b", max_tokens=5, temperature=0)).result(60) == \
+            standalone(model, again, "b", 5)
+    finally:
+        engine.stop()
