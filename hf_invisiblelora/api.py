@@ -8,6 +8,7 @@ callable hook.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .adapters import SWITCHES
 from .checks import BASE, check_call, check_compile, check_model, check_options, resolve_adapter_names
 from .decoding import Decoder
+from .drafter import Drafter, observe as observe_tokens, vocabulary as drafter_vocabulary
 from .forward import CompiledForward, EagerForward, backend_for
 from .gate import Gate
 from .layout import prompt_positions
@@ -30,7 +32,7 @@ from .rotary import Recompute, StepRotary, length_dependent, recompute_slot
 from .state import state_of
 from .stats import DecodingStats
 
-OPTIONS = ("num_draft_tokens", "gate", "lora_backend", "generator", "compile")  # generate() keywords that only InvisibleLoRA reads
+OPTIONS = ("num_draft_tokens", "gate", "lora_backend", "generator", "compile", "draft_vocab", "draft_dtype")  # generate() keywords that only InvisibleLoRA reads
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer")
 
 
@@ -42,7 +44,7 @@ class InvisibleLoRAOutput(GenerateDecoderOnlyOutput):
 
 
 def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 4, gate: str = "auto",
-             lora_backend: str = "bank", generator=None, compile="auto", **kwargs):
+             lora_backend: str = "bank", generator=None, compile="auto", draft_vocab=None, draft_dtype=None, **kwargs):
     """Lossless InvisibleLoRA decoding of a PEFT LoRA causal LM; same arguments and output as ``model.generate``.
 
     adapter_names: one adapter per row (``"__base__"`` = no adapter); default: the active adapter.
@@ -57,10 +59,14 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         (rows and cache length padded to buckets) and are kept on the model for later calls; the
         first call of a bucket pays the compilation (logged at INFO). ``state_of(model).clear()``
         drops them.
+    draft_vocab: the drafter's head restricted to this many of the most frequent tokens seen in the
+        model's prompts and outputs (plus the prompts' tokens), or to a list of token ids (drafter.py).
+    draft_dtype: the drafter's linear layers in this dtype (torch.bfloat16: fast where the CPU has
+        BF16 kernels). Both make draft passes cheaper and keep the output exact.
     With ``return_dict_in_generate=True`` the output has ``.stats`` (DecodingStats); the last
     call's stats are also at ``state_of(model).stats``. Calls on one model run one at a time.
     """
-    check_options(gate, num_draft_tokens, lora_backend, compile)
+    check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab, draft_dtype)
     check_model(model)
     inner = model.get_base_model()
     compile_backend = backend_for(compile, model.device, model.dtype, lora_backend)
@@ -96,8 +102,13 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         max_new = generation_config.max_length - prompt_len
         width = prompt_len + max_new + num_draft_tokens + 1
         lora = SWITCHES[lora_backend](model, mixed, state.mine)
+        vocab_size = inner.config.get_text_config(decoder=True).vocab_size
+        vocab = draft_vocab if draft_vocab is None or not isinstance(draft_vocab, int) else \
+            drafter_vocabulary(state, draft_vocab, input_ids, vocab_size)
+        drafter = None if vocab is None and draft_dtype is None else \
+            Drafter(inner, state, state.mine, None if vocab is None else torch.as_tensor(vocab), draft_dtype)
         if compile_backend is None:
-            fwd = EagerForward(inner, lora, b, width, input_ids.device)
+            fwd = EagerForward(inner, lora, b, width, input_ids.device, drafter)
         else:
             fwd = CompiledForward(inner, state.buckets, lora.bank, b, width, input_ids.device, compile_backend,
                                   range(1, num_draft_tokens + 2))
@@ -106,13 +117,14 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         slot = recompute_slot(inner, prompt_len)
         decoder = Decoder(
             fwd, lora, GeneratePolicy(logits_processor, bool(generation_config.do_sample), generator),
-            Gate(gate, num_draft_tokens, state.gate, BASE, variant=compile_backend or "eager"),
+            Gate(gate, num_draft_tokens, state.gate, BASE,
+                 variant=(compile_backend or "eager") + (drafter.variant if drafter else "")),
             capacity=b, span=b, pad_id=pad_id, eos=None if eos is None else eos.reshape(-1).to(input_ids.device),
             criteria=split_criteria(stopping_criteria), freeze=eos is not None,  # as standard decoding pads finished rows
             recompute=None if slot is None else Recompute(slot, b),
         )
         rotary = StepRotary(inner, fwd.layout, state.mine)
-        with lora.installed(), rotary.installed():
+        with lora.installed(), rotary.installed(), drafter.installed() if drafter else contextlib.nullcontext():
             kept = decoder.admit(list(range(b)), input_ids, mask, positions, [max_new] * b, rows)
             while True:
                 if streamer is not None and kept[0]:
@@ -123,6 +135,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
                 kept = decoder.cycle()
             new = decoder.output_length()
             sequences = decoder.sequences(list(range(b)), prompt_len + new, pad_id)
+            observe_tokens(state, sequences, vocab_size)  # the draft vocabulary follows what is seen
             rotary.finish(prompt_len, new)
             decoder.fill_stats(stats, new)
             if streamer is not None:

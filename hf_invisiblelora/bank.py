@@ -192,7 +192,7 @@ class AdapterBank:
         if not (group.x is x and group.version == version and group.meta is meta):
             group.x, group.version, group.meta = x, version, meta
             group.y = self.ops.lora_shrink(x2, group.A, meta)
-        return group.y[:, layer.cols[0] : layer.cols[1]]
+        return group.y[..., layer.cols[0] : layer.cols[1]]
 
     def slots(self, adapter_names) -> torch.LongTensor:
         """[B] slot of each row's adapter; "__base__" -> -1 (no LoRA). Names are validated by the caller."""

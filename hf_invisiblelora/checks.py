@@ -10,6 +10,8 @@ from __future__ import annotations
 import inspect
 from typing import Sequence
 
+import torch
+
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from peft.tuners.lora.layer import Linear as LoraLinear
@@ -43,7 +45,7 @@ UNSUPPORTED = {
 }
 
 
-def check_options(gate, num_draft_tokens, lora_backend, compile) -> None:
+def check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab=None, draft_dtype=None) -> None:
     if gate not in GATE_MODES:
         raise ValueError(f"gate must be one of {GATE_MODES}, got {gate!r}.")
     if not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool) or num_draft_tokens < 0:
@@ -52,6 +54,13 @@ def check_options(gate, num_draft_tokens, lora_backend, compile) -> None:
         raise ValueError(f"lora_backend must be one of {list(LORA_BACKENDS)}, got {lora_backend!r}.")
     if compile not in COMPILE_OPTIONS:
         raise ValueError(f"compile must be one of {COMPILE_OPTIONS}, got {compile!r}.")
+    if draft_vocab is not None and not (isinstance(draft_vocab, int) and not isinstance(draft_vocab, bool)
+                                        and draft_vocab > 0 or isinstance(draft_vocab, (list, tuple, torch.Tensor))):
+        raise ValueError(f"draft_vocab must be a number of tokens (> 0) or a list of token ids, got {draft_vocab!r}.")
+    if draft_dtype is not None and draft_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"draft_dtype must be torch.bfloat16 or torch.float16, got {draft_dtype!r}.")
+    if compile is True and (draft_vocab is not None or draft_dtype is not None):
+        raise ValueError("draft_vocab and draft_dtype work with compile=False (eager passes) only.")
 
 
 def lora_layers(model) -> list:

@@ -54,8 +54,8 @@ class EagerForward:
 
     builds = 0
 
-    def __init__(self, model, lora, capacity: int, width: int, device):
-        self.model, self.lora = model, lora
+    def __init__(self, model, lora, capacity: int, width: int, device, drafter=None):
+        self.model, self.lora, self.drafter = model, lora, drafter
         self.layout = RowLayout(model, capacity, width, device)
         self.cache = SharedCache(model.config, capacity, width)
 
@@ -64,6 +64,8 @@ class EagerForward:
 
     def __call__(self, ids, start, kv_len: int, keep: int, lora_on: bool = True, prefix=None, rows=None):
         self.lora.on(rows) if lora_on else self.lora.off()
+        if self.drafter is not None:
+            self.drafter.active = not lora_on
         masks, position_ids = self.layout.begin_pass(start, ids.shape[1], kv_len, prefix, rows)
         return model_pass(self.model, self.cache, masks, position_ids, ids, start, kv_len, keep, rows)
 

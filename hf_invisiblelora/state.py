@@ -28,10 +28,11 @@ class ModelState:
     gate: GateMemory = field(default_factory=GateMemory)
     buckets: dict = field(default_factory=dict)  # forward.Bucket per (device, dtype, rows, cache length)
     stats: object = None  # stats.DecodingStats of the last call
+    drafter: dict = field(default_factory=dict)  # drafter.py: token counts, derived weight copies
 
     def clear(self) -> None:
-        """Forget the bank, the gate's measurements, the compiled passes and the last stats."""
-        self.bank, self.gate, self.buckets, self.stats = None, GateMemory(), {}, None
+        """Forget the bank, the gate's measurements, the compiled passes, the last stats and the drafter's data."""
+        self.bank, self.gate, self.buckets, self.stats, self.drafter = None, GateMemory(), {}, None, {}
 
     def mine(self) -> bool:
         return self.owner == threading.get_ident()

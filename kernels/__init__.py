@@ -40,6 +40,11 @@ class LoraMeta:
     # (start, stop) when the LoRA tokens, sorted, are exactly tokens start..stop-1: then the torch
     # path slices x and out instead of gathering and scattering rows.
     lora_range: tuple | None
+    # The torch path's padded layout: the LoRA tokens of active slot g at rows g*width .. of a
+    # [G * width] index (padding: token 0, masked out), so one batched matmul serves every slot.
+    pad_index: torch.Tensor | None = None  # [G * width] long
+    pad_mask: torch.Tensor | None = None  # [G, width, 1] float: 1 for a real token, 0 for padding
+    pad_positions: torch.Tensor | None = None  # [n] long: where sorted LoRA token i sits in the padded layout
     # Prepared weight copies for this set of active slots, filled lazily by the torch path and
     # carried over to the next forward's metadata while the active set stays the same.
     cache: dict = field(default_factory=dict)
@@ -59,6 +64,8 @@ def make_meta(token_slots: torch.Tensor, num_slots: int, previous: LoraMeta | No
         active = [s for s in range(S) if slot_counts[s] > 0];  offsets = cumsum(slot_counts[active])
         static: active = None (all slots), offsets = cumsum(slot_counts) [S], num_lora_tokens = T
                 (the torch path gives the no-LoRA tokens, sorted last, a zero delta)
+        padded layout (torch path; when padding at most doubles the rows): active slot g's tokens
+                at pad_index[g * width + i], i < its count; the rest 0 with pad_mask 0
     token_slots: [T] long in [-1, S). `previous`: the last forward's metadata; its weight cache is
     reused when the active slots are the same.
     """
@@ -80,6 +87,18 @@ def make_meta(token_slots: torch.Tensor, num_slots: int, previous: LoraMeta | No
     is_range = n and bool((lora == torch.arange(start, start + n, device=lora.device)).all())
     meta = LoraMeta(**common, active=active, offsets=offsets.int(), bounds=bounds, num_lora_tokens=n,
                     lora_range=(start, start + n) if is_range else None)
+    if n:
+        counts = slot_counts[active]
+        width = int(counts.max())
+        if len(bounds) * width <= 2 * n:  # padding costs at most as much as the tokens themselves
+            groups = torch.arange(len(bounds), device=lora.device).repeat_interleave(counts)
+            firsts = (offsets - counts).repeat_interleave(counts)
+            meta.pad_positions = torch.arange(n, device=lora.device) - firsts + groups * width
+            meta.pad_index = torch.zeros(len(bounds) * width, dtype=torch.long, device=lora.device)
+            meta.pad_index[meta.pad_positions] = lora
+            meta.pad_mask = torch.zeros(len(bounds) * width, device=lora.device)
+            meta.pad_mask[meta.pad_positions] = 1.0
+            meta.pad_mask = meta.pad_mask.view(len(bounds), width, 1)
     if previous is not None and torch.equal(previous.active.cpu(), active.cpu()):
         meta.cache = previous.cache
     return meta

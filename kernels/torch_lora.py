@@ -2,10 +2,18 @@
 
 On a CPU the LoRA arithmetic of a decode step is tiny; what costs is the number of ops per layer
 (about 210 LoRA layers per step) and reading each active adapter's weights. So each op is a
-handful of large calls: gather the LoRA tokens (sorted by slot) once, one grouped matmul over the
-active slots (torch._grouped_mm, a C++ loop over segments), and one scatter-add back. The active
-slots' weights are copied once into the layout grouped_mm wants and cached in the metadata for as
-long as the active set stays the same, so a decode loop pays the copy once, not once per step.
+handful of large calls, the same number whatever the number of adapters:
+
+- one adapter on a contiguous run of tokens (a batch of one, or every row on one adapter): a
+  matmul on that slice of x, and an addmm into that slice of out;
+- otherwise, decode steps: the LoRA tokens gathered into a padded [G, width, H] block (one row of
+  blocks per active slot, the metadata's padded layout), one batched matmul per op, one scatter-add
+  back (padding rows are zeroed and add nothing);
+- prefills, whose tokens spread unevenly: one grouped matmul over the segments of sorted tokens
+  (torch._grouped_mm, a C++ loop over them).
+
+The active slots' weights are copied once into the layout the matmuls read fastest and cached in
+the metadata for as long as the active set stays the same: a decode loop pays the copy once.
 """
 
 import torch
@@ -30,16 +38,20 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride() if s != 1)
 
 
-def _active_mm(a: torch.Tensor, W: torch.Tensor, meta) -> torch.Tensor:
-    """Semantics: segment_mm over the active slots: out[seg_g] = a[seg_g] @ W[meta.active[g]].T
-    a: [n, K] (n = num_lora_tokens, sorted by slot); W: [S, N, K] -> out [n, N].
-    W[active] is copied once into the layout grouped_mm reads fastest and cached in the metadata:
-    a decode loop pays the copy once.
-    """
+def _prepared(W: torch.Tensor, meta) -> torch.Tensor:
+    """W [S, N, K] -> W[meta.active] as [G, K, N] contiguous (what x @ W[s].T reads fastest), cached
+    in the metadata: a decode loop pays the copy once."""
     hit = meta.cache.get(id(W))
     if hit is None or hit[0] is not W:  # the identity check guards against a recycled id()
         hit = meta.cache[id(W)] = (W, W.transpose(1, 2).index_select(0, meta.active).contiguous())
-    return _segment_mm(a, hit[1], meta.offsets, meta.bounds)
+    return hit[1]
+
+
+def _active_mm(a: torch.Tensor, W: torch.Tensor, meta) -> torch.Tensor:
+    """Semantics: segment_mm over the active slots: out[seg_g] = a[seg_g] @ W[meta.active[g]].T
+    a: [n, K] (n = num_lora_tokens, sorted by slot); W: [S, N, K] -> out [n, N].
+    """
+    return _segment_mm(a, _prepared(W, meta), meta.offsets, meta.bounds)
 
 
 def _segment_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bounds: list | None = None) -> torch.Tensor:
@@ -78,18 +90,26 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, meta, scale: float = 1.0) -> t
         for i in range(n):                       # n = meta.num_lora_tokens
             t = meta.sorted_tokens[i]
             y[i] = scale * x[t] @ A[meta.token_slots[t]].T
-    x: [T, H]; A: [S, R, H] -> y: [n, R] in x's dtype (matmul accumulates in fp32 or wider).
+    x: [T, H]; A: [S, R, H] -> y in x's dtype (matmul accumulates in fp32 or wider): [n, R], or, in
+    the metadata's padded layout, [G, width, R] (y[g, i] = the i-th token of active slot g; 0 for
+    padding). lora_expand takes either.
     """
     if meta.static:  # fixed shapes: every token, sorted by slot; no-LoRA tokens (last) get zeros
         y = segment_mm(x.index_select(0, meta.sorted_tokens), A.transpose(1, 2), meta.offsets)
         return y if scale == 1.0 else y * scale
     if meta.no_lora:
         return x.new_empty(0, A.shape[1])
-    if meta.lora_range is not None:
-        xs = x[meta.lora_range[0] : meta.lora_range[1]]
+    At = _prepared(A, meta)
+    if meta.lora_range is not None and At.shape[0] == 1:  # one adapter, contiguous tokens
+        y = x[meta.lora_range[0] : meta.lora_range[1]] @ At[0]
+    elif meta.pad_index is not None:
+        g, width = meta.pad_mask.shape[:2]
+        y = torch.bmm(x.index_select(0, meta.pad_index).view(g, width, -1), At)
+        y.mul_(meta.pad_mask.to(y.dtype))  # padding rows add nothing in lora_expand
     else:
-        xs = x.index_select(0, meta.sorted_tokens[: meta.num_lora_tokens])
-    y = _active_mm(xs, A, meta)
+        xs = x[meta.lora_range[0] : meta.lora_range[1]] if meta.lora_range is not None else \
+            x.index_select(0, meta.sorted_tokens[: meta.num_lora_tokens])
+        y = _segment_mm(xs, At, meta.offsets, meta.bounds)
     return y if scale == 1.0 else y.mul_(scale)
 
 
@@ -100,21 +120,30 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, B: torch.Tensor, meta, round
             delta = y[i] @ B[meta.token_slots[t]].T                      # in B's dtype
             out[t] = out[t] + delta.to(out.dtype)     if round_delta     # PEFT, mixed batch
                      (out[t].to(B.dtype) + delta).to(out.dtype) else    # PEFT, one adapter
-    out: [T, O] (updated in place); y: [n, R] from lora_shrink (B's dtype); B: [S, O, R].
+    out: [T, O] (updated in place); y: lora_shrink's output (B's dtype); B: [S, O, R].
     """
     if meta.static:  # every token, sorted by slot; no-LoRA tokens get a zero delta
         idx, delta = meta.sorted_tokens, segment_mm(y, B.transpose(1, 2), meta.offsets)
     elif meta.no_lora:
         return
     else:
-        idx, delta = meta.sorted_tokens[: meta.num_lora_tokens], _active_mm(y, B, meta)
-        if meta.lora_range is not None:  # the LoRA tokens are one slice of out: no gather or scatter
-            rows = out[meta.lora_range[0] : meta.lora_range[1]]
+        Bt = _prepared(B, meta)
+        if y.dim() == 3:  # the padded layout: padding rows of y are 0, so they add 0 to token 0
+            delta = torch.bmm(y, Bt).view(-1, Bt.shape[2])
             if round_delta or delta.dtype == out.dtype:
-                rows.add_(delta.to(out.dtype))  # not +=, which copies the slice back
-            else:
-                rows.copy_(rows.to(delta.dtype) + delta)
-            return
+                out.index_add_(0, meta.pad_index, delta.to(out.dtype))
+                return
+            delta = delta.index_select(0, meta.pad_positions)
+        else:
+            delta = y @ Bt[0] if Bt.shape[0] == 1 else _segment_mm(y, Bt, meta.offsets, meta.bounds)
+            if meta.lora_range is not None:  # the LoRA tokens are one slice of out
+                rows = out[meta.lora_range[0] : meta.lora_range[1]]
+                if round_delta or delta.dtype == out.dtype:
+                    rows.add_(delta.to(out.dtype))  # not +=, which copies the slice back
+                else:
+                    rows.copy_(rows.to(delta.dtype) + delta)
+                return
+        idx = meta.sorted_tokens[: meta.num_lora_tokens]
     if round_delta or delta.dtype == out.dtype:
         out.index_add_(0, idx, delta.to(out.dtype))
     else:

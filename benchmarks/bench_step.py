@@ -1,0 +1,158 @@
+"""The cost of one decode step, and what its bytes say it should cost.
+
+One decode step of every row against a 64-token cache, on a real model with its zoo adapters
+(rows assigned to the adapters round-robin), timed side by side (interleaved, medians):
+
+- base step: the bare base model (no PEFT wrapper), stock forward with a DynamicCache;
+- draft pass: our LoRA-off pass (the drafter) through the engine's forward, SharedCache;
+- LoRA-on step: our pass with each row's adapter (the adapter bank), SharedCache;
+- stock PEFT step: PEFT's forward with adapter_names, DynamicCache;
+- verify of 3 tokens per row: our LoRA-on pass over 3 tokens;
+- lm_head alone: the output projection of the rows' last hidden states;
+- bound: base step x (base weight bytes + the batch's distinct adapters' bytes) / base weight bytes,
+  what reading the weights alone would add.
+
+    python benchmarks/bench_step.py [--model smollm2|gemma3] [--batches 1 4 8 16] [--adapters 1 4 12] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+import hf_invisiblelora  # noqa: F401
+from hf_invisiblelora import zoo
+from hf_invisiblelora.adapters import BankSwitch
+from hf_invisiblelora.forward import EagerForward
+from hf_invisiblelora.state import state_of
+
+CONTEXT = 64
+
+
+def adapter_bytes(model, name: str) -> int:
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if f".{name}." in n and "lora_" in n)
+
+
+def base_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" not in n)
+
+
+class Setup:
+    """The passes of one (batch, adapters) point, each a callable timing one step."""
+
+    def __init__(self, model, names, batch, vocab):
+        self.model, self.inner = model, model.get_base_model()
+        self.rows = [names[i % len(names)] for i in range(batch)]
+        g = torch.Generator().manual_seed(batch)
+        self.prompt = torch.randint(3, vocab, (batch, CONTEXT), generator=g)
+        self.next = torch.randint(3, vocab, (batch, 3), generator=g)
+        state = state_of(model)
+        state.owner = __import__("threading").get_ident()
+        self.lora = BankSwitch(model, mixed=True)
+        self.fwd = EagerForward(self.inner, self.lora, batch, CONTEXT + 8, self.prompt.device)
+        self.lora.set_rows(self.rows)
+        mask = torch.ones_like(self.prompt)
+        self.fwd.layout.load(list(range(batch)), mask, (mask.cumsum(-1) - 1), [CONTEXT + 6] * batch)
+        self.start = torch.full((batch,), CONTEXT, dtype=torch.long)
+        with self.lora.installed(), torch.no_grad():
+            self.fwd(self.prompt, torch.zeros(batch, dtype=torch.long), CONTEXT, keep=1, prefix=CONTEXT)
+        self.stock_cache = self._stock_prefill(adapters=True)
+        self.base_cache = self._stock_prefill(adapters=False)
+        self.hidden = torch.randn(batch, 1, self.inner.config.get_text_config().hidden_size)
+
+    def _stock_prefill(self, adapters: bool):
+        cache = DynamicCache(config=self.inner.config)
+        with torch.no_grad():
+            if adapters:
+                self.model(input_ids=self.prompt, cache=cache, use_cache=True, adapter_names=self.rows, logits_to_keep=1)
+            else:
+                with self.model.disable_adapter():
+                    self.inner(input_ids=self.prompt, cache=cache, use_cache=True, logits_to_keep=1)
+        return cache
+
+    def ours(self, lora_on: bool, q: int):
+        ids = self.next[:, :q]
+        return lambda: self.fwd(ids, self.start, CONTEXT + q, keep=q, lora_on=lora_on)
+
+    def stock(self, adapters: bool):
+        cache = self.stock_cache if adapters else self.base_cache
+
+        def step():
+            kw = dict(adapter_names=self.rows) if adapters else {}
+            (self.model if adapters else self.inner)(input_ids=self.next[:, :1], cache=cache, use_cache=True,
+                                                     logits_to_keep=1, **kw)
+            cache.crop(-1)  # back to the 64-token context
+        return step
+
+    def lm_head(self):
+        head = self.inner.get_output_embeddings()
+        return lambda: head(self.hidden)
+
+
+def timed(steps: dict, repeats: int) -> dict:
+    """Median seconds per call of each step {name: (context, step)}, interleaved (one warm-up
+    round); the context (our LoRA switch installed, PEFT's adapters disabled) is not timed."""
+    times = {k: [] for k in steps}
+    for rep in range(repeats + 1):
+        for name, (context, fn) in steps.items():
+            with context(), torch.no_grad():
+                t = time.perf_counter()
+                fn()
+                if rep:
+                    times[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2", choices=list(zoo.ZOOS))
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8, 16])
+    p.add_argument("--adapters", nargs="+", type=int, default=[1, 4, 12])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results/step.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tok, names = zoo.load_zoo(args.model)
+    vocab = model.get_base_model().config.get_text_config().vocab_size
+    weights = base_bytes(model.get_base_model())
+    results = []
+    print(f"{args.model}: {len(names)} adapters; CPU {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads; ms per step, medians of {args.repeats}")
+    print("| batch | adapters | base step | draft pass | LoRA-on step (x base) | bound (x base) | "
+          "LoRA-on / bound | stock PEFT step | verify 3 tokens | lm_head |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for batch in args.batches:
+        for a in args.adapters:
+            if a > batch or a > len(names):
+                continue
+            s = Setup(model, names[:a], batch, vocab)
+            active = set(s.rows)
+            bound = (weights + sum(adapter_bytes(model, n) for n in active)) / weights
+            ours, off, plain = s.lora.installed, model.disable_adapter, contextlib.nullcontext
+            t = timed({"base": (off, s.stock(False)), "draft": (ours, s.ours(False, 1)), "lora": (ours, s.ours(True, 1)),
+                       "stock": (plain, s.stock(True)), "verify3": (ours, s.ours(True, 3)),
+                       "lm_head": (plain, s.lm_head())}, args.repeats)
+            state_of(model).owner = None
+            r = dict(batch=batch, adapters=a, bound=bound, **{k: 1000 * v for k, v in t.items()})
+            results.append(r)
+            print(f"| {batch} | {a} | {r['base']:.1f} | {r['draft']:.1f} | {r['lora']:.1f} ({r['lora'] / r['base']:.2f}x) | "
+                  f"{bound:.2f}x | {r['lora'] / r['base'] / bound:.2f} | {r['stock']:.1f} | {r['verify3']:.1f} | "
+                  f"{r['lm_head']:.1f} |", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(command="python benchmarks/bench_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                                   cpu=platform.processor(), threads=torch.get_num_threads(), results=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Cheaper drafters (a restricted draft vocabulary, bfloat16 draft weights) keep the output exact."""
+
+import pytest
+import torch
+
+import hf_invisiblelora  # noqa: F401
+from hf_invisiblelora.state import state_of
+from hf_invisiblelora.testing import chi_square_p, prompts, tiny_peft
+
+ROWS = ["a", "b", "__base__", "c", "d", "a", "b"]
+LENGTHS = [5, 9, 3, 7, 9, 1, 6]
+
+
+def greedy(model, ids, mask, **kw):
+    return model.generate(input_ids=ids, attention_mask=mask, adapter_names=ROWS, do_sample=False,
+                          max_new_tokens=12, **kw)
+
+
+@pytest.mark.parametrize("option", [dict(draft_vocab=16), dict(draft_vocab=list(range(2, 40, 3))),
+                                    dict(draft_dtype=torch.bfloat16), dict(draft_vocab=24, draft_dtype=torch.bfloat16)])
+def test_greedy_output_unchanged(option):
+    model = tiny_peft("llama", strength=0.6)
+    ids, mask = prompts(LENGTHS)
+    ref = greedy(model, ids, mask)
+    greedy(model, ids, mask, invisible_lora=True, gate="never")  # the vocabulary learns what is seen
+    out = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=3,
+                 return_dict_in_generate=True, **option)
+    assert torch.equal(out.sequences, ref)
+    assert sum(out.stats.drafted) > 0
+    assert not any("forward" in vars(m) for m in model.modules())  # nothing left installed
+
+
+def test_restricted_drafts_stay_in_the_vocabulary():
+    """Drafts come from the subset: with a vocabulary that excludes what the target says, nothing is accepted."""
+    model = tiny_peft("llama", strength=0.0)  # adapters with zero B: the target is the base model
+    ids, mask = prompts(LENGTHS)
+    ref = greedy(model, ids, mask)
+    generated = set(ref[:, ids.shape[1]:].flatten().tolist())
+    others = [t for t in range(2, 64) if t not in generated]
+    out = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2, draft_vocab=others,
+                 return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert sum(out.stats.accepted) == 0 < sum(out.stats.drafted)
+    full = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2, return_dict_in_generate=True)
+    assert sum(full.stats.accepted) == sum(full.stats.drafted)  # the same drafter with its whole head: all accepted
+
+
+def test_sampling_with_a_restricted_vocabulary_is_exact():
+    from test_sampling import PROMPT, SUPPRESS, TEMPERATURE, TOP_K, exact
+
+    model = tiny_peft("llama", vocab=8, adapters=("b", "d"), strength=1.5, seed=1)
+    with torch.no_grad():
+        target = exact(model, "b")
+    n = 1500
+    torch.manual_seed(0)
+    out = model.generate(input_ids=PROMPT.repeat(n, 1), adapter_names=["b"] * n, do_sample=True,
+                         temperature=TEMPERATURE, top_k=TOP_K, suppress_tokens=SUPPRESS, max_new_tokens=3,
+                         invisible_lora=True, num_draft_tokens=2, gate="always", draft_vocab=[2, 3, 4, 5],
+                         return_dict_in_generate=True)
+    samples = [tuple(r) for r in out.sequences[:, PROMPT.shape[1]:].tolist()]
+    assert chi_square_p(samples, target) > 1e-3
+    assert 0 < sum(out.stats.accepted) < sum(out.stats.drafted)
+
+
+def test_token_counts_follow_calls():
+    model = tiny_peft("llama", strength=0.6)
+    ids, mask = prompts([4, 6])
+    out = model.generate(input_ids=ids, attention_mask=mask, adapter_names=["a", "b"], max_new_tokens=5,
+                         do_sample=False, invisible_lora=True)
+    counts = state_of(model).drafter["token_counts"]
+    assert counts.sum() == out.numel() and torch.equal(counts, torch.bincount(out.flatten(), minlength=64))
+
+
+@pytest.mark.parametrize("kw, message", [(dict(draft_vocab=0), "draft_vocab"), (dict(draft_vocab="many"), "draft_vocab"),
+                                         (dict(draft_dtype=torch.int8), "draft_dtype"),
+                                         (dict(draft_vocab=8, compile=True), "compile=False")])
+def test_bad_options(kw, message):
+    model = tiny_peft("llama", strength=0.6)
+    ids, mask = prompts([4, 6])
+    with pytest.raises(ValueError, match=message):
+        model.generate(input_ids=ids, attention_mask=mask, adapter_names=["a", "b"], max_new_tokens=3,
+                       invisible_lora=True, **kw)
