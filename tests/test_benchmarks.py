@@ -22,3 +22,21 @@ def test_decoding_benchmark_smoke(tmp_path):
     assert all(0 <= a["acceptance"] <= 1 for a in res["acceptance"]["greedy"]["per_adapter"].values())
     assert res["memory"]["stock_cache_bytes"] > 0 and res["memory"]["hybrid_cache_bytes"]
     assert all(b["bound"] > 0 for b in res["bound"])
+
+
+def test_serving_benchmark_smoke(tmp_path):
+    """Poisson arrivals served by stock static batches, our static generate() and the engine."""
+    subprocess.run([sys.executable, str(BENCHMARKS / "bench_serve.py"), "--smoke", "--out", str(tmp_path)],
+                   check=True, capture_output=True, timeout=600)
+    res = json.loads((tmp_path / "serve.json").read_text())
+    assert (tmp_path / "serve.png").stat().st_size > 1000
+    assert res["command"].startswith("python ") and "--smoke" in res["command"]
+    assert [r["rate"] for r in res["runs"]] == [20, 80]
+    for run in res["runs"]:
+        assert set(run["modes"]) == {"stock", "static", "engine"}
+        for mode, s in run["modes"].items():
+            assert s["completed"] == s["requests"] == 8 and s["dropped"] == 0
+            assert s["tokens_per_s"] > 0 and 0 <= s["ttft_p50"] <= s["ttft_p99"] and 0 <= s["tpot_p50"] <= s["tpot_p99"]
+            for job in run["requests"][mode]:
+                assert 1 <= job["tokens"] <= job["max_tokens"] and job["arrival"] <= job["first"] <= job["done"]
+        assert run["modes"]["engine"]["engine"]["cycles"] > 0
