@@ -28,6 +28,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,16 @@ from .state import state_of
 
 logger = logging.getLogger("hf_invisiblelora")
 _ids = itertools.count()
+
+
+class QueueFull(RuntimeError):
+    """The engine's queue holds ``max_queue`` requests already."""
+
+
+def _integer(value) -> int:
+    if isinstance(value, bool) or not float(value).is_integer():
+        raise ValueError(value)
+    return int(value)
 
 
 @dataclass
@@ -73,6 +84,7 @@ class Handle:
         self.finish_reason = None
         self.error = None
         self.drafted = self.accepted = 0
+        self.submitted_at, self.admitted_at, self.first_token_at = time.perf_counter(), None, None
         self._chunks = queue.Queue()
         self.done = threading.Event()
 
@@ -80,6 +92,9 @@ class Handle:
         self.engine._cancel(self)
 
     def _put(self, tokens: list[int]) -> bool:
+        """Hand over committed tokens; True if the request's on_tokens callback asks to stop."""
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
         self.tokens += tokens
         self._chunks.put(tokens)
         return bool(self.request.on_tokens and self.request.on_tokens(tokens))
@@ -106,7 +121,7 @@ class Engine:
     (prompt + new tokens + drafts). See the module docstring."""
 
     def __init__(self, model, max_batch: int = 8, max_len: int = 1024, num_draft_tokens: int = 4,
-                 gate: str = "auto"):
+                 gate: str = "auto", max_queue: int = 1024):
         check_model(model)
         inner = model.get_base_model()
         if any(length_dependent(m) for m in inner.modules()):
@@ -114,6 +129,9 @@ class Engine:
                              "length (dynamic NTK, LongRoPE): their frequencies follow the batch's longest row.")
         self.model, self.inner = model, inner
         self.max_batch, self.max_len, self.num_draft_tokens, self.gate_mode = max_batch, max_len, num_draft_tokens, gate
+        self.max_queue = max_queue
+        self.vocab_size = inner.get_input_embeddings().num_embeddings
+        self.error = None  # what stopped the engine's thread, if it failed
         limit = getattr(inner.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.max_positions = limit
         self.state = state_of(model)
@@ -128,23 +146,46 @@ class Engine:
         self._cancelled = set()
         self._thread = None
         self._running = False
+        self._state_lock = threading.Lock()  # metrics and adapter changes: read from other threads
+        self._adapters = list(model.peft_config)
         self.metrics = dict(cycles=0, tokens=0, k_hist=collections.Counter(),
                             drafted=collections.Counter(), accepted=collections.Counter(), requests=0)
 
     # --- the client side (any thread) ---
 
     def submit(self, request: Request) -> Handle:
-        """Queue a request; it joins a free row at the next cycle. Bad requests raise ValueError."""
+        """Queue a request; it joins a free row at the next cycle. Bad requests raise ValueError;
+        a full queue raises QueueFull; an engine that is not running (or failed) raises RuntimeError."""
         self.validate(request)
         handle = Handle(request, self)
         with self._wake:
+            if not self.alive:
+                raise RuntimeError(f"The engine is not running{f' (it failed: {self.error})' if self.error else ''}.")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue}); retry later.")
             self._waiting.append(handle)
             self._wake.notify()
         return handle
 
+    @property
+    def alive(self) -> bool:
+        """The engine's thread is serving."""
+        return self._running and self._thread is not None and self._thread.is_alive()
+
     def validate(self, request: Request) -> None:
+        """Raise ValueError naming what is wrong with ``request``; normalizes its numbers' types."""
         if not request.prompt:
             raise ValueError("The prompt is empty.")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in request.prompt):
+            raise ValueError(f"The prompt must be token ids in [0, {self.vocab_size}).")
+        try:
+            request.temperature, request.top_p = float(request.temperature), float(request.top_p)
+            request.max_tokens, request.top_k = _integer(request.max_tokens), _integer(request.top_k)
+            request.seed = None if request.seed is None else _integer(request.seed)
+        except (TypeError, ValueError):
+            raise ValueError("temperature and top_p must be numbers; max_tokens, top_k and seed integers.") from None
+        if request.seed is not None and not -(2**63) <= request.seed < 2**64:  # what torch's generators take
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {request.seed}.")
         if request.adapter != BASE and request.adapter not in self.model.peft_config:
             raise ValueError(f"Unknown adapter {request.adapter!r}; loaded: {self.adapters()}.")
         if request.max_tokens < 1:
@@ -162,7 +203,13 @@ class Engine:
                              f"longer than this server allows ({allowed} tokens); shorten the prompt or max_tokens.")
 
     def adapters(self) -> list[str]:
-        return list(self.model.peft_config)
+        with self._state_lock:
+            return list(self._adapters)
+
+    def metrics_snapshot(self) -> dict:
+        """A copy of ``metrics`` (the engine's thread updates it every cycle)."""
+        with self._state_lock:
+            return {k: dict(v) if isinstance(v, dict) else v for k, v in self.metrics.items()}
 
     def queue_length(self) -> int:
         return len(self._waiting)
@@ -171,16 +218,28 @@ class Engine:
         return sum(h is not None for h in self._handles)
 
     def load_adapter(self, name: str, path: str, timeout: float = 600) -> None:
-        """Load a PEFT adapter between cycles."""
-        if name == BASE or name in self.model.peft_config:
-            raise ValueError(f"An adapter named {name!r} is already loaded (or reserved).")
-        self._command(lambda: self.model.load_adapter(path, adapter_name=name), timeout)
+        """Load a PEFT adapter between cycles. One the engine cannot serve (checks.check_model) is
+        refused with a ValueError and removed again, as is one PEFT fails to load."""
+        def load():
+            if name == BASE or name in self.model.peft_config:
+                raise ValueError(f"An adapter named {name!r} is already loaded (or reserved).")
+            try:
+                self.model.load_adapter(path, adapter_name=name)
+                self.model.eval()
+                check_model(self.model)
+            except Exception:
+                if name in self.model.peft_config:
+                    self.model.delete_adapter(name)
+                raise
+        self._command(load, timeout)
 
     def unload_adapter(self, name: str, timeout: float = 600) -> None:
-        """Unload an adapter between cycles; refused while a request uses it."""
+        """Unload an adapter between cycles; refused while a request uses it, and for the last one."""
         def unload():
             if name not in self.model.peft_config:
                 raise ValueError(f"No adapter named {name!r} is loaded; loaded: {self.adapters()}.")
+            if len(self.model.peft_config) == 1:
+                raise RuntimeError(f"{name!r} is the last adapter; a PEFT model keeps at least one.")
             busy = [h for h in list(self._waiting) + self._handles if h is not None and h.request.adapter == name]
             if busy:
                 raise RuntimeError(f"Adapter {name!r} is in use by {len(busy)} request(s); unload it when they are done.")
@@ -188,7 +247,7 @@ class Engine:
         self._command(unload, timeout)
 
     def _command(self, fn, timeout):
-        if not self._running:
+        if not self.alive:
             raise RuntimeError("The engine is not running.")
         done, box = threading.Event(), {}
         with self._wake:
@@ -215,11 +274,17 @@ class Engine:
         return self
 
     def stop(self, timeout: float = 60) -> None:
+        """Stop serving; requests still waiting or decoding finish as "cancelled"."""
         with self._wake:
             self._running = False
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        with self._wake:
+            for h in list(self._waiting) + self._handles:
+                if h is not None:
+                    h._finish("cancelled")
+            self._waiting.clear()
 
     # --- the engine's thread ---
 
@@ -242,10 +307,13 @@ class Engine:
                     fwd.set_rows(decoder.names)
             except Exception as e:  # noqa: BLE001 - every request learns the engine failed
                 logger.exception("hf_invisiblelora engine failed")
-                for h in list(self._waiting) + self._handles:
-                    if h is not None:
-                        h._finish("error", f"{type(e).__name__}: {e}")
-                self._running = False
+                self.error = f"{type(e).__name__}: {e}"
+                with self._wake:
+                    self._running = False
+                    for h in list(self._waiting) + self._handles:
+                        if h is not None:
+                            h._finish("error", self.error)
+                    self._waiting.clear()
             finally:
                 state.owner = None
 
@@ -261,18 +329,29 @@ class Engine:
                 self._drop_cancelled(decoder)
                 self._admit(decoder)
                 if decoder.rows.active:
-                    self._deliver(decoder, decoder.cycle())
-                    self.metrics["cycles"] += 1
-                    self.metrics["k_hist"][decoder.k_per_cycle[-1]] += 1
+                    before = list(zip(decoder.drafted, decoder.accepted))
+                    kept = decoder.cycle()
+                    with self._state_lock:
+                        m = self.metrics
+                        m["cycles"] += 1
+                        m["k_hist"][decoder.k_per_cycle[-1]] += 1
+                        for r, (d, a) in enumerate(before):  # drafted / accepted per adapter, as they happen
+                            if self._handles[r] is not None:
+                                m["drafted"][self._handles[r].request.adapter] += decoder.drafted[r] - d
+                                m["accepted"][self._handles[r].request.adapter] += decoder.accepted[r] - a
                     decoder.k_per_cycle.clear()  # a long run keeps no per-cycle list
+                    self._deliver(decoder, kept)
 
     def _run_commands(self) -> None:
         while not self._commands.empty():
             fn, done, box = self._commands.get()
             try:
-                fn()
+                with self._state_lock:
+                    fn()
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 box["error"] = e
+            with self._state_lock:
+                self._adapters = list(self.model.peft_config)
             done.set()
 
     def _admit(self, decoder: Decoder) -> None:
@@ -293,10 +372,13 @@ class Engine:
             mask[i, width - n:] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         idx = [r for r, _ in joining]
+        now = time.perf_counter()
         for r, h in joining:
             self._handles[r] = h
+            h.admitted_at = now
             decoder.policy.set_request(r, h.request)
-        self.metrics["requests"] += len(joining)
+        with self._state_lock:
+            self.metrics["requests"] += len(joining)
         kept = decoder.admit(idx, ids, mask, positions, [h.request.max_tokens for _, h in joining],
                              [h.request.adapter for _, h in joining])
         self._deliver(decoder, kept)
@@ -309,8 +391,14 @@ class Engine:
                 continue
             if n:
                 end = rows.plen_h[r] + rows.gen_h[r]
-                self.metrics["tokens"] += n
-                stop = h._put(rows.tokens[r, end - n : end].tolist())
+                with self._state_lock:
+                    self.metrics["tokens"] += n
+                try:
+                    stop = h._put(rows.tokens[r, end - n : end].tolist())
+                except Exception as e:  # noqa: BLE001 - the request's own callback failed: only it ends
+                    rows.done_h[r] = True
+                    self._release(decoder, r, "error", f"on_tokens raised {type(e).__name__}: {e}")
+                    continue
                 if stop:
                     rows.done_h[r] = True
                     self._release(decoder, r, "stop")
@@ -327,12 +415,9 @@ class Engine:
                 decoder.rows.done_h[r] = True
                 self._release(decoder, r, "cancelled")
 
-    def _release(self, decoder: Decoder, r: int, reason: str) -> None:
+    def _release(self, decoder: Decoder, r: int, reason: str, error: str | None = None) -> None:
         h = self._handles[r]
-        name = h.request.adapter
         h.drafted, h.accepted = decoder.drafted[r], decoder.accepted[r]
-        self.metrics["drafted"][name] += decoder.drafted[r]
-        self.metrics["accepted"][name] += decoder.accepted[r]
         self._handles[r] = None
         decoder.names[r] = None
-        h._finish(reason)
+        h._finish(reason, error)

@@ -50,7 +50,6 @@ logger = logging.getLogger("hf_invisiblelora.serve")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
-_SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
 
 # --- errors ---
@@ -122,9 +121,7 @@ class Sampling:
             if value is not None and value < 1:
                 raise _bad(name, f"`{name}` must be >= 1, got {value}.")
             self.max_tokens = self.max_tokens or value
-        self.seed = _number(body, "seed", None, integer=True)
-        if self.seed is not None and not _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]:
-            raise _bad("seed", f"`seed` must be in [-2**63, 2**64), got {self.seed}.")
+        self.seed = _number(body, "seed", None, integer=True)  # its range: the engine's check
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else stop or []
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
@@ -353,13 +350,7 @@ class Metrics:
                                  "From submission to the end of the request.", buckets=buckets, registry=self.registry)
 
     def snapshot(self) -> dict:
-        """engine.metrics, copied while the engine's thread may be updating it."""
-        for _ in range(10):
-            try:
-                return {k: dict(v) if isinstance(v, dict) else v for k, v in list(self.engine.metrics.items())}
-            except RuntimeError:  # "dictionary changed size during iteration": try again
-                continue
-        return {}
+        return self.engine.metrics_snapshot()
 
     def collect(self):
         m = self.snapshot()
@@ -410,9 +401,7 @@ class Server:
     # helpers
 
     def alive(self) -> bool:
-        # TODO(engine): a public Engine.alive() (or error attribute) instead of its private thread.
-        thread = getattr(self.engine, "_thread", None)
-        return thread is not None and thread.is_alive()
+        return self.engine.alive
 
     def check_alive(self) -> None:
         if not self.alive():
@@ -485,7 +474,7 @@ class Server:
         return max(allowed - prompt_len, 1)
 
     def submit(self, prompt: list[int], adapter: str, sampling: Sampling, chat: bool, model_name: str) -> Job:
-        from .engine import Request
+        from .engine import QueueFull, Request
 
         self.check_alive()
         max_tokens = sampling.max_tokens or (self.room(len(prompt)) if chat else COMPLETION_DEFAULT_MAX_TOKENS)
@@ -494,6 +483,8 @@ class Server:
                           on_tokens=StopWatch(self.tokenizer, sampling.stop) if sampling.stop else None)
         try:
             job = Job(self, request, sampling.stop, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name)
+        except QueueFull as e:
+            raise ApiError(429, str(e), type="server_error", code="queue_full") from e
         except ValueError as e:
             message = str(e)
             if message.startswith("Unknown adapter"):  # unloaded meanwhile
@@ -588,14 +579,13 @@ class Server:
         if name in (self.model_id, BASE) or name in self.engine.adapters():
             raise ApiError(400, f"The name {name!r} is already in use (an adapter or the base model).",
                            param="lora_name", code="adapter_exists")
-        check_adapter_config(path)
         self.check_alive()
-        try:
+        try:  # the engine refuses what it cannot serve (checks.check_model) and rolls back a failed load
             await run_in_threadpool(self.engine.load_adapter, name, path)
+        except ValueError as e:
+            raise ApiError(400, f"This server cannot serve the adapter at {path!r}: {e}", param="lora_path",
+                           code="adapter_unsupported") from e
         except Exception as e:  # noqa: BLE001 - PEFT's errors for a bad folder are of many kinds
-            if name in self.engine.adapters():  # loaded half (e.g. weights that do not fit): take it out again
-                with contextlib.suppress(Exception):
-                    await run_in_threadpool(self.engine.unload_adapter, name)
             raise ApiError(400, f"Could not load the adapter from {path!r}: {type(e).__name__}: {e}",
                            param="lora_path", code="adapter_load_failed") from e
         logger.info("loaded adapter %r from %s", name, path)
@@ -606,15 +596,12 @@ class Server:
         name = body.get("lora_name")
         if not isinstance(name, str) or name not in self.engine.adapters():
             raise ApiError(404, f"No adapter named {name!r} is loaded.", param="lora_name", code="model_not_found")
-        if len(self.engine.adapters()) == 1:
-            # TODO(engine): the engine cannot run with no adapter (its bank needs one), so the last one stays.
-            raise ApiError(409, f"{name!r} is the last adapter loaded; the engine needs at least one.",
-                           param="lora_name", code="last_adapter")
         self.check_alive()
         try:
             await run_in_threadpool(self.engine.unload_adapter, name)
-        except RuntimeError as e:
-            raise ApiError(409, str(e), param="lora_name", code="adapter_in_use") from e
+        except RuntimeError as e:  # in use, or the last one (a PEFT model keeps one)
+            raise ApiError(409, str(e), param="lora_name",
+                           code="last_adapter" if "last adapter" in str(e) else "adapter_in_use") from e
         except ValueError as e:
             raise ApiError(404, str(e), param="lora_name", code="model_not_found") from e
         logger.info("unloaded adapter %r", name)
@@ -641,34 +628,6 @@ class JobStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.job.close()
-
-
-def check_adapter_config(path: str) -> None:
-    """Refuse, before loading, adapters the engine cannot serve (it validates a model only when it
-    starts: loading one of these would stop it)."""
-    try:
-        from peft import PeftConfig
-
-        config = PeftConfig.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001
-        raise ApiError(400, f"No PEFT adapter at {path!r}: {type(e).__name__}: {e}", param="lora_path",
-                       code="adapter_load_failed") from e
-    problems = []
-    if getattr(config.peft_type, "value", config.peft_type) != "LORA":
-        problems.append(f"it is not LoRA ({config.peft_type})")
-    if getattr(config, "use_dora", False):
-        problems.append("DoRA")
-    if getattr(config, "modules_to_save", None) or getattr(config, "trainable_token_indices", None):
-        problems.append("it trains whole modules (modules_to_save / trainable_token_indices)")
-    if getattr(config, "lora_bias", False):
-        problems.append("lora_bias")
-    if getattr(config, "alora_invocation_tokens", None):
-        problems.append("aLoRA")
-    if getattr(config, "layer_replication", None):
-        problems.append("layer_replication")
-    if problems:
-        raise ApiError(400, f"This server cannot serve the adapter at {path!r}: {', '.join(problems)}.",
-                       param="lora_path", code="adapter_unsupported")
 
 
 async def json_body(request) -> dict:
@@ -828,6 +787,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded together")
     p.add_argument("--max-len", type=int, default=1024, help="cache slots per row: prompt + max_tokens + drafts + 1")
+    p.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a row before 429")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="the most tokens drafted per cycle (K)")
     p.add_argument("--gate", default="auto", choices=("auto", "always", "never"))
     p.add_argument("--dtype", default="float32", choices=DTYPES)
@@ -863,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
     if model_id in model.peft_config:
         raise SystemExit(f"error: an adapter is named like the base model ({model_id!r}); use --served-model-name")
     engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, num_draft_tokens=args.num_draft_tokens,
-                    gate=args.gate).start()
+                    gate=args.gate, max_queue=args.max_queue).start()
     server = Server(engine, tokenizer, model_id, root)
     logger.info("serving %s with adapters %s on http://%s:%d", model_id, engine.adapters(), args.host, args.port)
     uvicorn.run(build_app(server, stop_engine_on_shutdown=True), host=args.host, port=args.port,

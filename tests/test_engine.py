@@ -3,6 +3,7 @@ its adapter (float64, greedy), whatever shares the batch; seeded sampling is rep
 request and exact; rows are freed by cancellation; adapters load and unload while serving."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -194,5 +195,65 @@ def test_adapters_load_and_unload_while_serving(tmp_path):
         again = random_prompt(g, 5)
         assert engine.submit(Request(again, adapter="b", max_tokens=5, temperature=0)).result(60) == \
             standalone(model, again, "b", 5)
+    finally:
+        engine.stop()
+
+
+def test_faults_stay_with_their_request(model, tmp_path):
+    """A failing on_tokens callback ends only its request; bad token ids and types are refused up
+    front; the last adapter and an adapter the engine cannot serve are refused (and rolled back)."""
+    from peft import get_peft_model
+
+    from hf_invisiblelora.engine import QueueFull
+    from hf_invisiblelora.testing import ARCHS
+
+    g = torch.Generator().manual_seed(8)
+    engine = Engine(model, max_batch=2, max_len=128, num_draft_tokens=2, gate="always", max_queue=2)
+    with pytest.raises(RuntimeError, match="not running"):
+        engine.submit(Request([3, 4]))
+    engine.start()
+    try:
+        def boom(tokens):
+            raise KeyError("client gone")
+
+        bad = engine.submit(Request(random_prompt(g, 3), adapter="a", max_tokens=8, temperature=0, on_tokens=boom))
+        good = engine.submit(Request(random_prompt(g, 3), adapter="b", max_tokens=8, temperature=0))
+        assert bad.result(60) is not None and bad.finish_reason == "error" and "client gone" in bad.error
+        assert good.result(60) and good.finish_reason == "length"
+        assert engine.alive
+        with pytest.raises(ValueError, match=r"token ids in \[0, 64\)"):
+            engine.submit(Request([3, 99]))
+        with pytest.raises(ValueError, match="integers"):
+            engine.submit(Request([3, 4], top_k=2.5))
+        request = Request([3, 4], temperature=1, max_tokens=2)  # an int temperature is a number too
+        assert engine.submit(request).result(60) and isinstance(request.temperature, float)
+
+        dora = get_peft_model(ARCHS["llama"](64).double(), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True),
+                              adapter_name="dora")
+        dora.save_pretrained(tmp_path)
+        with pytest.raises(ValueError, match="variants"):
+            engine.load_adapter("dora", str(tmp_path / "dora" if (tmp_path / "dora").exists() else tmp_path))
+        assert "dora" not in engine.adapters() and engine.alive
+
+        held = [engine.submit(Request(random_prompt(g, 3), adapter="a", max_tokens=100, temperature=0))
+                for _ in range(2)]
+        while engine.running() < 2:  # both rows taken
+            time.sleep(0.01)
+        held += [engine.submit(Request(random_prompt(g, 3), max_tokens=100, temperature=0)) for _ in range(2)]
+        with pytest.raises(QueueFull):
+            engine.submit(Request(random_prompt(g, 3), max_tokens=100, temperature=0))
+    finally:
+        engine.stop()
+    assert all(h.done.is_set() for h in held)  # stop() finishes what was in flight
+    assert {h.finish_reason for h in held} <= {"length", "cancelled"}
+
+
+def test_the_last_adapter_stays():
+    model = tiny_peft("llama", adapters=("a",), strength=0.6)
+    engine = Engine(model, max_batch=1, max_len=32).start()
+    try:
+        with pytest.raises(RuntimeError, match="last adapter"):
+            engine.unload_adapter("a")
+        assert engine.alive and engine.adapters() == ["a"]
     finally:
         engine.stop()
