@@ -48,6 +48,9 @@ class LoraMeta:
     # Prepared weight copies for this set of active slots, filled lazily by the torch path and
     # carried over to the next forward's metadata while the active set stays the same.
     cache: dict = field(default_factory=dict)
+    # Per-forward values derived from token_slots (e.g. the packed path's column masks): never carried over.
+    masks: dict = field(default_factory=dict)
+    active_slots: tuple | None = None  # host copy of active
     static: bool = False  # shapes fixed: all slots and all tokens take part; see make_meta
 
     @property
@@ -81,12 +84,13 @@ def make_meta(token_slots: torch.Tensor, num_slots: int, previous: LoraMeta | No
     active = slot_counts.nonzero().squeeze(1)
     offsets = slot_counts[active].cumsum(0)
     bounds = offsets.tolist()  # for the torch path: its ops need no host read of their own
+    active_slots = tuple(active.tolist())
     n = bounds[-1] if bounds else 0
     lora = sorted_tokens[:n]
     start = int(lora[0]) if n else 0
     is_range = n and bool((lora == torch.arange(start, start + n, device=lora.device)).all())
     meta = LoraMeta(**common, active=active, offsets=offsets.int(), bounds=bounds, num_lora_tokens=n,
-                    lora_range=(start, start + n) if is_range else None)
+                    lora_range=(start, start + n) if is_range else None, active_slots=active_slots)
     if n:
         counts = slot_counts[active]
         width = int(counts.max())
@@ -99,7 +103,7 @@ def make_meta(token_slots: torch.Tensor, num_slots: int, previous: LoraMeta | No
             meta.pad_mask = torch.zeros(len(bounds) * width, device=lora.device)
             meta.pad_mask[meta.pad_positions] = 1.0
             meta.pad_mask = meta.pad_mask.view(len(bounds), width, 1)
-    if previous is not None and torch.equal(previous.active.cpu(), active.cpu()):
+    if previous is not None and previous.active_slots == active_slots:
         meta.cache = previous.cache
     return meta
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
+from hf_invisiblelora import bank as bank_module
 from hf_invisiblelora.bank import get_bank
 from hf_invisiblelora.checks import check_model
 from hf_invisiblelora.testing import COMMON, tiny_peft
@@ -16,6 +17,13 @@ ADAPTERS = {
     "chat": dict(r=2, lora_alpha=3, target_modules="all-linear"),
     "poem": dict(r=16, lora_alpha=16, target_modules=["o_proj", "gate_proj", "up_proj"]),
 }
+
+
+@pytest.fixture(autouse=True, params=["packed", "gathered"])
+def path(request, monkeypatch):
+    """Every test on both torch paths: the packed one (decode steps) and the gathered one (prefills)."""
+    monkeypatch.setattr(bank_module, "PACKED_WASTE", 10**9 if request.param == "packed" else -1)
+    return request.param
 
 
 def build(arch="llama", adapters=ADAPTERS, seed=0):
@@ -147,12 +155,13 @@ def test_merged_adapters_are_refused():
         check_model(pm)
 
 
-def test_siblings_share_one_shrink_only_for_the_same_input(monkeypatch):
+def test_siblings_share_one_shrink_only_for_the_same_input(monkeypatch, path):
     pm = build(adapters={"chat": ADAPTERS["chat"], "code": ADAPTERS["code"]})  # chat: all 7 modules
     bank = get_bank(pm)
     shrinks = []
-    real = bank.ops.lora_shrink
-    monkeypatch.setattr(bank.ops, "lora_shrink", lambda *a, **k: shrinks.append(1) or real(*a, **k))
+    owner, name = (bank.ops, "lora_shrink") if path == "gathered" else (bank, "_packed_shrink")
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **k: shrinks.append(1) or real(*a, **k))
     names = ["code", "chat"]
     ids = torch.randint(0, VOCAB, (2, 3))
     assert_same(bank_logits(pm, ids, names), peft_logits(pm, ids, names))
