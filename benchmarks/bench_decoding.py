@@ -24,6 +24,7 @@ Prints tables, writes JSON and PNG plots.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import platform
@@ -47,6 +48,15 @@ CONFIGS = {
     "gate": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False),
     # The baseline again, as a control: its ratio to the baseline is the run's noise (an A/A test).
     "control": dict(invisible_lora=True, gate="never", compile=False),
+    # Cheaper drafters (hf_invisiblelora/drafter.py): the head on a vocabulary from the zoo's training
+    # text (--draft-vocab tokens), bfloat16 draft weights, both.
+    "gate_vocab": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus"),
+    "gate_bf16": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_dtype=torch.bfloat16),
+    "gate_vocab_bf16": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus",
+                            draft_dtype=torch.bfloat16),
+    # The bare base model, stock generate() with the adapters disabled: the speed a LoRA-serving
+    # path is measured against (its tokens are the base model's, not the adapters').
+    "base_model": dict(base_model=True),
 }
 # The same with compiled fixed-shape passes (torch.compile on the CPU, CUDA graphs on CUDA). The
 # first call of each compiles; it is the warm-up, reported separately as first_call_s.
@@ -55,7 +65,7 @@ CONFIGS.update(COMPILED)
 SAMPLED = ("stock_peft", "baseline", "k2", "gate", "control")  # the configurations of the sampling row
 
 
-def load(kind: str, device: str, dtype: torch.dtype, strength: float):
+def load(kind: str, device: str, dtype: torch.dtype, strength: float, zoo_name: str = "smollm2"):
     """(peft_model on device/dtype, encode(prompts) -> inputs on device, adapter names, prompts_for(name, count, seed))."""
     tok = None
     if kind == "synthetic":  # prompts are token ids, all of one length
@@ -72,8 +82,8 @@ def load(kind: str, device: str, dtype: torch.dtype, strength: float):
     else:
         from hf_invisiblelora import zoo
 
-        model, tok, names = zoo.load_zoo("smollm2")
-        domains = {n: e["domain"] for n, e in zoo.read_manifest(zoo.zoo_dir("smollm2"))["adapters"].items()}
+        model, tok, names = zoo.load_zoo(zoo_name)
+        domains = {n: e["domain"] for n, e in zoo.read_manifest(zoo.zoo_dir(zoo_name))["adapters"].items()}
 
         def prompts_for(name, n, seed):
             return zoo.heldout_prompts(domains[name], tok, n, 32, seed=seed)
@@ -87,7 +97,7 @@ def load(kind: str, device: str, dtype: torch.dtype, strength: float):
             enc = tok(prompts, return_tensors="pt", padding=True)
         return enc.to(device)
 
-    return model.to(device=device, dtype=dtype), encode, names, prompts_for
+    return model.to(device=device, dtype=dtype), encode, names, prompts_for, tok
 
 
 def synthetic(strength: float, n_adapters: int = 16, prompt_len: int = 32):
@@ -144,10 +154,13 @@ def measure(model, rows, enc, configs, new_tokens, repeats, sampling, checkpoint
             if c in errors:
                 continue
             torch.manual_seed(rep)
+            options = dict(CONFIGS[c])
+            bare = options.pop("base_model", False)
+            call = dict(kw, adapter_names=None) if bare else kw
             t = time.perf_counter()
             try:
-                with torch.no_grad():
-                    out = model.generate(**enc, **kw, **CONFIGS[c])
+                with torch.no_grad(), model.disable_adapter() if bare else contextlib.nullcontext():
+                    out = model.generate(**enc, **call, **options)
                 sync()
             except Exception as e:  # noqa: BLE001 - recorded; the other configurations go on
                 errors[c] = f"{type(e).__name__}: {e}"[:500]
@@ -200,7 +213,7 @@ def check_tokens(model, rows, enc, new_tokens, last, res):
         ref = model.generate(**enc, adapter_names=rows, max_new_tokens=new_tokens, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
     for c, out in last.items():
-        if c == "stock_peft" or "error" in res.get(c, {"error": 1}):
+        if c in ("stock_peft", "base_model") or "error" in res.get(c, {"error": 1}):
             continue
         if dtype in (torch.bfloat16, torch.float16):
             diverged = divergences(model, rows, ref, out.sequences, enc.attention_mask, enc.input_ids.shape[1])
@@ -210,19 +223,22 @@ def check_tokens(model, rows, enc, new_tokens, last, res):
         res[c]["identical_to_stock"] = bool(torch.equal(out.sequences, ref.sequences))
 
 
-def acceptance(model, encode, names, prompts_for, per_adapter, new_tokens):
+def acceptance(model, encode, names, prompts_for, per_adapter, new_tokens, drafters):
+    """Acceptance per adapter (k = 4 in every cycle), greedy and sampling, for each drafter
+    {label: generate() options} (the full drafter and the cheaper ones)."""
     rows = [n for n in names for _ in range(per_adapter)]
     enc = encode([p for n in names for p in prompts_for(n, per_adapter, 100)])
     out = {}
-    for mode, kw in (("greedy", dict(do_sample=False)), ("sampling", dict(do_sample=True, temperature=0.7))):
-        torch.manual_seed(0)
-        with torch.no_grad():
-            o = model.generate(**enc, adapter_names=rows, max_new_tokens=new_tokens, invisible_lora=True,
-                               gate="always", num_draft_tokens=4, return_dict_in_generate=True, **kw)
-        s = o.stats
-        per = {n: dict(acceptance=v["acceptance"], tokens_per_cycle=v["tokens_per_cycle"])
-               for n, v in s.per_adapter.items()}
-        out[mode] = dict(per_adapter=per, median=statistics.median(v["acceptance"] for v in per.values()))
+    for label, options in drafters.items():
+        for mode, kw in (("greedy", dict(do_sample=False)), ("sampling", dict(do_sample=True, temperature=0.7))):
+            torch.manual_seed(0)
+            with torch.no_grad():
+                o = model.generate(**enc, adapter_names=rows, max_new_tokens=new_tokens, invisible_lora=True,
+                                   gate="always", num_draft_tokens=4, return_dict_in_generate=True, **kw, **options)
+            per = {n: dict(acceptance=v["acceptance"], tokens_per_cycle=v["tokens_per_cycle"])
+                   for n, v in o.stats.per_adapter.items()}
+            key = mode if label == "full" else f"{mode}, {label}"
+            out[key] = dict(per_adapter=per, median=statistics.median(v["acceptance"] for v in per.values()))
     return out
 
 
@@ -319,6 +335,9 @@ def main(argv=None):
                    help="SmolLM2-135M's shape with random weights and 16 random adapters instead of the zoo (no files needed)")
     p.add_argument("--stock-batches", nargs="+", type=int,
                    help="run stock_peft only at these batch sizes (its per-adapter loop is slow on a GPU)")
+    p.add_argument("--zoo", default="smollm2", choices=["smollm2", "gemma3"], help="the zoo's base model")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="gate_vocab*: the draft vocabulary's size (most frequent tokens of the zoo's training text)")
     p.add_argument("--strength", type=float, default=0.3,
                    help="--synthetic: scale of the adapters' random B weights (0.3: ~88%% greedy acceptance, fp32 CPU)")
     args = p.parse_args(argv)
@@ -332,12 +351,23 @@ def main(argv=None):
         batches, adapter_counts = [1, 4, 16, 32], [1, 2, 4, 8, 12]
     batches, adapter_counts = args.batches or batches, args.adapter_counts or adapter_counts
     kind = "smoke" if args.smoke else "synthetic" if args.synthetic else "zoo"
-    model, encode, names, prompts_for = load(kind, args.device, getattr(torch, args.dtype), args.strength)
+    model, encode, names, prompts_for, tok = load(kind, args.device, getattr(torch, args.dtype), args.strength, args.zoo)
+    if not args.no_extras or any(CONFIGS[c].get("draft_vocab") == "corpus" for c in args.configs or CONFIGS):
+        if kind == "zoo":
+            from hf_invisiblelora import zoo
+
+            vocab = zoo.corpus_vocabulary(args.zoo, tok, args.draft_vocab)
+        else:  # no corpus: the lowest ids
+            vocab = list(range(min(args.draft_vocab, model.get_base_model().config.get_text_config().vocab_size)))
+        for c in CONFIGS.values():
+            if c.get("draft_vocab") == "corpus":
+                c["draft_vocab"] = vocab
     adapter_counts = [a for a in adapter_counts if a <= len(names)] or [len(names)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = dict(command="python " + " ".join(sys.argv), machine=platform.platform(), threads=torch.get_num_threads(),
-                   device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", dtype=args.dtype, model=kind,
+                   device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", dtype=args.dtype,
+                   model=args.zoo if kind == "zoo" else kind, draft_vocab=args.draft_vocab,
                    torch=torch.__version__, adapters=names, new_tokens=args.new_tokens, repeats=args.repeats,
                    throughput=[])
     for b in batches:
@@ -363,7 +393,10 @@ def main(argv=None):
                 print(f"{'sampling' if sampling else 'greedy'}, batch {b}, {a} adapters: "
                       + ", ".join(f"{c} {cell(v)}" for c, v in point["configs"].items()), flush=True)
     if not args.no_extras:
-        results["acceptance"] = acceptance(model, encode, names, prompts_for, 2 if args.smoke else 4, args.new_tokens)
+        drafters = {"full": {}, "vocab": dict(draft_vocab=CONFIGS["gate_vocab"]["draft_vocab"]),
+                    "bf16": dict(draft_dtype=torch.bfloat16)}
+        results["acceptance"] = acceptance(model, encode, names, prompts_for, 2 if args.smoke else 4, args.new_tokens,
+                                           drafters)
         results["bound"] = [bound(model, encode, names, prompts_for, b, args.repeats) for b in batches]
         rows, enc = workload(encode, names, prompts_for, len(names), max(batches))
         results["memory"] = dict(

@@ -39,7 +39,7 @@ else
     WHEELS=.whl/*.whl
     DEVICE=cuda; DTYPE=bfloat16; T_TESTS=240; T_BENCH=300
     BENCH=(--synthetic --strength "${STRENGTH:-0.3}" --batches 8 32 64 --adapter-counts 8 16 --new-tokens 64
-           --repeats 2 --stock-batches 8 --configs stock_peft k2 gate baseline_compiled k2_compiled gate_compiled)
+           --repeats 2 --stock-batches 8 --configs stock_peft base_model k2 gate baseline_compiled k2_compiled gate_compiled)
 fi
 
 # A copy of the tree without environments and build leftovers, installed from there.

@@ -61,9 +61,10 @@ class BankSwitch:
     """LoRA through the adapter bank: on = one batched shrink/expand per layer for all adapters."""
 
     def __init__(self, model, mixed: bool, mine=None):
-        self.bank = get_bank(model)
+        self.bank = get_bank(model, adapters=())  # the structure now; weights as rows name adapters
         self.mixed = mixed
         self.row_slots, self._views = None, {}
+        self._synced = set()
 
     @contextlib.contextmanager
     def installed(self):
@@ -73,6 +74,10 @@ class BankSwitch:
 
     def set_rows(self, adapter_names: list) -> None:
         """Each row's adapter (None or "__base__": none)."""
+        new = {a for a in adapter_names if a and a != BASE} - self._synced
+        if new:  # compare these adapters' weights with the bank's copy once per switch (one per call)
+            self.bank.sync(new)
+            self._synced |= new
         self.row_slots = self.bank.slots([a or BASE for a in adapter_names])
         self._views = {}  # the bank memoizes metadata per row_slots object: one object per row set
 

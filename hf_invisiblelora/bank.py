@@ -13,14 +13,15 @@ output's dtype first for a mixed batch (``adapter_names=``), in the adapters' dt
 """
 
 import contextlib
+import itertools
 import threading
 from typing import NamedTuple
 
 import torch
-from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
 from . import kernels
+from .checks import named_lora_layers
 from .state import forwards, state_of
 
 # Sibling LoRA layers that read the same input tensor in the architectures we know. Their shrinks
@@ -40,19 +41,17 @@ def _laid_out(t: torch.Tensor, transposed: bool) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().transpose(1, 2) if transposed else t.contiguous()
 
 
-def lora_modules(model) -> list:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
-
-
 class _Packed(NamedTuple):
     """Active slots' weights side by side at their own ranks (the stacks pad every slot to the
     largest rank of the bank): A [in, n], B [n, out] (None for a group), the slot of each of the
-    n columns, and a key for what the columns are (slots and ranks), which masks are cached by."""
+    n columns, and a key for what the columns are (slots and ranks), which masks are cached by.
+    A group's: its layers' A side by side, and each layer's columns {id(layer): slice}."""
 
     A: torch.Tensor
     B: torch.Tensor | None
     col_slot: torch.Tensor
     key: tuple
+    columns: dict | None = None
 
 
 class _Packs:
@@ -65,13 +64,13 @@ class _Packs:
         self.make, self.cache = make, {}
 
     def get(self, slots) -> _Packed:
-        hit = self.cache.pop(slots, None)
+        hit = self.cache.get(slots)
         if hit is None:
             with torch.no_grad():
                 hit = self.make(slots)
             if len(self.cache) >= self.KEEP:
-                self.cache.pop(next(iter(self.cache)))
-        self.cache[slots] = hit  # most recent last
+                self.cache.pop(next(iter(self.cache)))  # the oldest
+            self.cache[slots] = hit
         return hit
 
     def clear(self) -> None:
@@ -119,12 +118,12 @@ class _Layer:
             self.group.packs.clear()
 
     @torch.no_grad()
-    def changed(self) -> list:
+    def changed(self, adapters=None) -> list:
         """(slot, adapter) whose weights or scaling differ from the stacks (exact comparison: it also
-        sees edits through ``.data``, which no version counter records)."""
+        sees edits through ``.data``, which no version counter records); only ``adapters`` if given."""
         out = []
         for slot, a in enumerate(self.names):
-            if a in self.module.lora_A:
+            if a in self.module.lora_A and (adapters is None or a in adapters):
                 A, B = self._values(a)
                 r = A.shape[0]
                 if not (torch.equal(self.A[slot, :r], A) and torch.equal(self.B[slot, :, :r], B)):
@@ -151,17 +150,10 @@ class _Group:
 
     def _pack(self, slots) -> "_Packed":
         parts = [layer.packs.get(slots) for layer in self.layers]
+        ends = itertools.accumulate(p.A.shape[1] for p in parts)
+        columns = {id(layer): slice(end - p.A.shape[1], end) for layer, p, end in zip(self.layers, parts, ends)}
         return _Packed(torch.cat([p.A for p in parts], dim=1), None, torch.cat([p.col_slot for p in parts]),
-                       tuple(p.key for p in parts))
-
-    def columns(self, layer, slots) -> tuple:
-        """The packed columns of ``layer`` in the group's packed shrink."""
-        start = 0
-        for sibling in self.layers:
-            n = sibling.packs.get(slots).A.shape[1]
-            if sibling is layer:
-                return start, start + n
-            start += n
+                       tuple(p.key for p in parts), columns)
 
     def clear(self):
         self.x = self.version = self.meta = self.y = None
@@ -190,30 +182,31 @@ class AdapterBank:
     def _structure(self):
         # What the stacks' shapes, dtypes and devices depend on.
         sig = []
-        for _, m in lora_modules(self.model):
+        for _, m in named_lora_layers(self.model):
             sig.append(id(m))
             for a, lin in m.lora_A.items():
-                wa, wb = lin.weight, m.lora_B[a].weight
-                sig.append((a, tuple(wa.shape), tuple(wb.shape), wa.dtype, wb.dtype, wa.device, wb.device))
+                wa, wb = lin._parameters["weight"], m.lora_B[a]._parameters["weight"]
+                sig.append((a, wa.shape, wb.shape, wa.dtype, wb.dtype, wa.device, wb.device))
         return tuple(sig)
 
-    def sync(self) -> None:
+    def sync(self, adapters=None) -> None:
         """Follow the model's adapters: rebuild the stacks if adapters were added, deleted or moved
         (device, dtype); rewrite the slots of adapters whose weights or scaling changed (by any route:
-        in-place ops, ``.data`` edits, load_state_dict, optimizer steps, set_scale)."""
+        in-place ops, ``.data`` edits, load_state_dict, optimizer steps, set_scale). ``adapters``: compare
+        only these adapters' weights (those a call uses; the others are compared when a call uses them)."""
         signature = self._structure()
         if signature != self._signature:
             self._build()
             self._signature = signature
             return
-        changed = [(layer, slot, a) for layer in self.layers.values() for slot, a in layer.changed()]
+        changed = [(layer, slot, a) for layer in self.layers.values() for slot, a in layer.changed(adapters)]
         for layer, slot, a in changed:
             layer.write(slot, a)
         if changed:
             self._drop_prepared()
 
     def _build(self) -> None:
-        self.modules = lora_modules(self.model)
+        self.modules = named_lora_layers(self.model)
         if not self.modules:
             raise ValueError("no PEFT LoRA layers found in the model")
         names = list(dict.fromkeys(a for _, m in self.modules for a in m.lora_A))
@@ -276,13 +269,12 @@ class AdapterBank:
         whatever the number of adapters, and each active adapter's weights read once at its rank.
         Its arithmetic grows with tokens x active ranks: for the few tokens of decode steps."""
         slots, group = meta.active_slots, layer.group
+        B = layer.packs.get(slots).B
         if group is None:
             y = self._packed_shrink(x2, layer.packs.get(slots), meta)
         else:
             packed = group.packs.get(slots)
-            y = self._shared(group, x, meta, lambda: self._packed_shrink(x2, packed, meta))
-            y = y[:, slice(*group.columns(layer, slots))]
-        B = layer.packs.get(slots).B
+            y = self._shared(group, x, meta, lambda: self._packed_shrink(x2, packed, meta))[:, packed.columns[id(layer)]]
         if self.round_delta or out.dtype == B.dtype:
             out.addmm_(y, B) if out.dtype == B.dtype else out.add_((y @ B).to(out.dtype))
         else:  # PEFT's one-adapter numerics: the sum in the adapter's dtype (rows without LoRA add an exact 0)
@@ -393,11 +385,12 @@ class AdapterBank:
             self._clear_groups()  # drop the references to the last inputs
 
 
-def get_bank(model) -> AdapterBank:
-    """The model's adapter bank, built on first use and kept in the model's state; synced every call."""
+def get_bank(model, adapters=None) -> AdapterBank:
+    """The model's adapter bank, built on first use and kept in the model's state; synced every call
+    (``adapters``: the weights of these adapters only; see AdapterBank.sync)."""
     state = state_of(model)
     if state.bank is None:
         state.bank = AdapterBank(model)
     else:
-        state.bank.sync()
+        state.bank.sync(adapters)
     return state.bank

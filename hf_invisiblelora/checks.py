@@ -22,6 +22,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from .cache import ATTENTION_LAYERS
 from .layout import ATTENTION
 from .rotary import length_dependent
+from .state import state_of
 
 BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
 GATE_MODES = ("auto", "always", "never")
@@ -63,8 +64,19 @@ def check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab=Non
         raise ValueError("draft_vocab and draft_dtype work with compile=False (eager passes) only.")
 
 
+def named_lora_layers(model) -> list:
+    """(name, layer) of every PEFT LoRA layer. Walking a model with many adapters costs tens of ms
+    (thousands of modules), so the walk is kept in the model's state and redone only when the
+    adapters PEFT lists (peft_config: names and configs) change, which is when LoRA layers come and go."""
+    state = state_of(model)
+    config = tuple((getattr(model, "peft_config", None) or {}).items())
+    if state.layers is None or state.layers[0] != config:
+        state.layers = (config, [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)])
+    return state.layers[1]
+
+
 def lora_layers(model) -> list:
-    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+    return [m for _, m in named_lora_layers(model)]
 
 
 def check_model(model) -> None:

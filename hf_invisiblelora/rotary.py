@@ -23,6 +23,8 @@ from .state import forwards
 
 def length_dependent(module) -> bool:
     """A rotary module whose frequencies depend on max(position_ids) (Transformers' dynamic_rope_update)."""
+    if "original_inv_freq" not in module._buffers and "original_inv_freq" not in vars(module):
+        return False  # most modules: decided without nn.Module's slow attribute lookup
     rope_type = getattr(module, "rope_type", None)
     kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
     return hasattr(module, "original_inv_freq") and any(

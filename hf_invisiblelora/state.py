@@ -29,10 +29,11 @@ class ModelState:
     buckets: dict = field(default_factory=dict)  # forward.Bucket per (device, dtype, rows, cache length)
     stats: object = None  # stats.DecodingStats of the last call
     drafter: dict = field(default_factory=dict)  # drafter.py: token counts, derived weight copies
+    layers: tuple | None = None  # (peft_config items, [(name, LoRA layer)]): checks.named_lora_layers
 
     def clear(self) -> None:
         """Forget the bank, the gate's measurements, the compiled passes, the last stats and the drafter's data."""
-        self.bank, self.gate, self.buckets, self.stats, self.drafter = None, GateMemory(), {}, None, {}
+        self.bank, self.gate, self.buckets, self.stats, self.drafter, self.layers = None, GateMemory(), {}, None, {}, None
 
     def mine(self) -> bool:
         return self.owner == threading.get_ident()

@@ -226,6 +226,21 @@ def test_adapter_changes_are_seen(route):
     assert_same_as_stock(model, ids, mask, max_new_tokens=8)
 
 
+def test_an_adapter_edited_while_unused_is_seen_when_used():
+    """A call compares only the adapters its rows use with the bank's copy: an adapter edited
+    between calls that did not use it is compared (and rewritten) by the first call that does."""
+    model = tiny_peft("llama", strength=0.6)
+    ids, mask = prompts(LENGTHS)
+    without_b = [a if a != "b" else "c" for a in ROWS]
+    ours(model, ids, mask, names=without_b, max_new_tokens=4)
+    with torch.no_grad():
+        for m in lora_layers(model):
+            if "b" in m.lora_B:
+                m.lora_B["b"].weight.data.mul_(-2.0)
+    assert_same_as_stock(model, ids, mask, names=without_b, max_new_tokens=4)
+    assert_same_as_stock(model, ids, mask, max_new_tokens=8)
+
+
 def test_model_moved_to_another_dtype_after_a_call():
     """The bank's stacks follow model.to(...): its signature holds the adapters' dtypes and devices."""
     model = tiny_peft("llama", strength=0.6)

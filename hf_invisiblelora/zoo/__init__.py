@@ -8,7 +8,8 @@ and ``apt-get install``.
 - ``assets``: base models converted from GGUF files shipped in PyPI wheels; ``AssetUnavailable``.
 - ``corpora``: real text domains, split into training and held-out text.
 - ``recipes``: one training recipe per adapter, and the loop that trains one.
-- ``store``: the zoo on disk: build the missing adapters, load them, measure acceptance, the manifest.
+- ``store``: the zoo on disk: build the missing adapters, load them, measure acceptance, the manifest,
+  a draft vocabulary from the training text.
 - ``demo``: one mixed batch served with ``invisible_lora=True`` and the standard way.
 
     python -m hf_invisiblelora.zoo prepare|path|build|accept|table ...   (see zoo/__main__.py)
@@ -20,10 +21,11 @@ Progress is logged to the ``hf_invisiblelora.zoo`` logger (the commands show it 
 from . import assets, corpora
 from .assets import AssetUnavailable
 from .recipes import ALL_LINEAR, ATTENTION, ZOOS, Recipe
-from .store import (build, heldout_prompts, is_built, load_zoo, measure_acceptance, read_manifest, table,
+from .store import (build, corpus_vocabulary, heldout_prompts, is_built, load_zoo, measure_acceptance, read_manifest, table,
                     write_manifest, zoo_dir)
 
 __all__ = [
-    "assets", "corpora", "AssetUnavailable", "ALL_LINEAR", "ATTENTION", "ZOOS", "Recipe", "build", "heldout_prompts",
+    "assets", "corpora", "AssetUnavailable", "ALL_LINEAR", "ATTENTION", "ZOOS", "Recipe", "build", "corpus_vocabulary",
+    "heldout_prompts",
     "is_built", "load_zoo", "measure_acceptance", "read_manifest", "table", "write_manifest", "zoo_dir",
 ]

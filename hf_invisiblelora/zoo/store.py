@@ -100,6 +100,17 @@ def heldout_prompts(domain: str, tokenizer, count: int, length: int, seed: int =
     return [tokenizer.decode(ids[i : i + length]) for i in range(0, step * count, step)]
 
 
+def corpus_vocabulary(model: str, tokenizer, size: int) -> list[int]:
+    """The ``size`` most frequent token ids in the training text of the zoo's adapters' domains: a
+    draft vocabulary (``generate(..., draft_vocab=ids)``) chosen without the held-out prompts."""
+    from collections import Counter
+
+    counts = Counter()
+    for entry in read_manifest(zoo_dir(model))["adapters"].values():
+        counts.update(tokenizer(corpora.load_domain(entry["domain"])[0], verbose=False)["input_ids"])
+    return sorted(i for i, _ in counts.most_common(size))
+
+
 def measure_acceptance(model: str = "smollm2", prompts_per_adapter: int = 4, prompt_tokens: int = 48,
                        new_tokens: int = 32, draft_tokens: int = 4) -> dict:
     """Greedy acceptance of every adapter with ``invisible_lora=True``, on held-out prompts of its
