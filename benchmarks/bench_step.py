@@ -4,7 +4,9 @@ One decode step of every row against a 64-token cache, on a real model with its 
 (rows assigned to the adapters round-robin), timed side by side (interleaved, medians):
 
 - base step: the bare base model (no PEFT wrapper), stock forward with a DynamicCache;
-- draft pass: our LoRA-off pass (the drafter) through the engine's forward, SharedCache;
+- draft pass: our LoRA-off pass (the drafter) through the engine's forward, SharedCache; and the
+  cheaper drafters (drafter.py): the head on a vocabulary of the --draft-vocab most frequent tokens
+  of the zoo's training text, and bfloat16 draft weights;
 - LoRA-on step: our pass with each row's adapter (the adapter bank), SharedCache;
 - stock PEFT step: PEFT's forward with adapter_names, DynamicCache;
 - verify of 3 tokens per row: our LoRA-on pass over 3 tokens;
@@ -13,6 +15,7 @@ One decode step of every row against a 64-token cache, on a real model with its 
   what reading the weights alone would add.
 
     python benchmarks/bench_step.py [--model smollm2|gemma3] [--batches 1 4 8 16] [--adapters 1 4 12] [--repeats 7]
+                                    [--draft-vocab 8192]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from transformers import DynamicCache
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora import zoo
 from hf_invisiblelora.adapters import BankSwitch
+from hf_invisiblelora.drafter import Drafter
 from hf_invisiblelora.forward import EagerForward
 from hf_invisiblelora.state import state_of
 
@@ -49,7 +53,7 @@ def base_bytes(model) -> int:
 class Setup:
     """The passes of one (batch, adapters) point, each a callable timing one step."""
 
-    def __init__(self, model, names, batch, vocab):
+    def __init__(self, model, names, batch, vocab, draft_vocab):
         self.model, self.inner = model, model.get_base_model()
         self.rows = [names[i % len(names)] for i in range(batch)]
         g = torch.Generator().manual_seed(batch)
@@ -68,6 +72,8 @@ class Setup:
         self.stock_cache = self._stock_prefill(adapters=True)
         self.base_cache = self._stock_prefill(adapters=False)
         self.hidden = torch.randn(batch, 1, self.inner.config.get_text_config().hidden_size)
+        self.drafters = {"draft_vocab": Drafter(self.inner, state, state.mine, torch.tensor(draft_vocab)),
+                         "draft_bf16": Drafter(self.inner, state, state.mine, dtype=torch.bfloat16)}
 
     def _stock_prefill(self, adapters: bool):
         cache = DynamicCache(config=self.inner.config)
@@ -82,6 +88,20 @@ class Setup:
     def ours(self, lora_on: bool, q: int):
         ids = self.next[:, :q]
         return lambda: self.fwd(ids, self.start, CONTEXT + q, keep=q, lora_on=lora_on)
+
+    def drafted(self, name: str):
+        """(context, step): a draft pass with one of the cheaper drafters."""
+        drafter, step = self.drafters[name], self.ours(False, 1)
+
+        @contextlib.contextmanager
+        def context():
+            with self.lora.installed(), drafter.installed():
+                self.fwd.drafter = drafter
+                try:
+                    yield
+                finally:
+                    self.fwd.drafter = None
+        return context, step
 
     def stock(self, adapters: bool):
         cache = self.stock_cache if adapters else self.base_cache
@@ -119,39 +139,44 @@ def main(argv=None):
     p.add_argument("--adapters", nargs="+", type=int, default=[1, 4, 12])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--out", default="benchmarks/results/step.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok, names = zoo.load_zoo(args.model)
     vocab = model.get_base_model().config.get_text_config().vocab_size
     weights = base_bytes(model.get_base_model())
+    draft_vocab = zoo.corpus_vocabulary(args.model, tok, args.draft_vocab)
     results = []
     print(f"{args.model}: {len(names)} adapters; CPU {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads; ms per step, medians of {args.repeats}")
-    print("| batch | adapters | base step | draft pass | LoRA-on step (x base) | bound (x base) | "
-          "LoRA-on / bound | stock PEFT step | verify 3 tokens | lm_head |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| batch | adapters | base step | draft pass | draft, vocab | draft, bf16 | LoRA-on step (x base) | "
+          "bound (x base) | LoRA-on / bound | stock PEFT step | verify 3 tokens | lm_head |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in args.batches:
         for a in args.adapters:
             if a > batch or a > len(names):
                 continue
-            s = Setup(model, names[:a], batch, vocab)
+            s = Setup(model, names[:a], batch, vocab, draft_vocab)
             active = set(s.rows)
             bound = (weights + sum(adapter_bytes(model, n) for n in active)) / weights
             ours, off, plain = s.lora.installed, model.disable_adapter, contextlib.nullcontext
             t = timed({"base": (off, s.stock(False)), "draft": (ours, s.ours(False, 1)), "lora": (ours, s.ours(True, 1)),
                        "stock": (plain, s.stock(True)), "verify3": (ours, s.ours(True, 3)),
-                       "lm_head": (plain, s.lm_head())}, args.repeats)
+                       "lm_head": (plain, s.lm_head()), "draft_vocab": s.drafted("draft_vocab"),
+                       "draft_bf16": s.drafted("draft_bf16")}, args.repeats)
             state_of(model).owner = None
             r = dict(batch=batch, adapters=a, bound=bound, **{k: 1000 * v for k, v in t.items()})
             results.append(r)
-            print(f"| {batch} | {a} | {r['base']:.1f} | {r['draft']:.1f} | {r['lora']:.1f} ({r['lora'] / r['base']:.2f}x) | "
+            print(f"| {batch} | {a} | {r['base']:.1f} | {r['draft']:.1f} | {r['draft_vocab']:.1f} | {r['draft_bf16']:.1f} | "
+                  f"{r['lora']:.1f} ({r['lora'] / r['base']:.2f}x) | "
                   f"{bound:.2f}x | {r['lora'] / r['base'] / bound:.2f} | {r['stock']:.1f} | {r['verify3']:.1f} | "
                   f"{r['lm_head']:.1f} |", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(command="python benchmarks/bench_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                                   cpu=platform.processor(), threads=torch.get_num_threads(), results=results), indent=1))
+                                   cpu=platform.processor(), threads=torch.get_num_threads(), draft_vocab=args.draft_vocab,
+                                   results=results), indent=1))
 
 
 if __name__ == "__main__":

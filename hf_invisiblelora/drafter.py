@@ -60,9 +60,9 @@ class Drafter:
 
     def installed(self):
         routed = {}
-        if self.dtype is not None:
+        if self.dtype is not None:  # every linear layer, the head too (the restricted head below takes the dtype)
             for m in self.inner.modules():
-                if type(m) is nn.Linear and m is not self.head:
+                if type(m) is nn.Linear:
                     routed[m] = self._routed(m, self._low_precision(m))
         if self.vocab is not None:
             routed[self.head] = self._routed(self.head, self._restricted(self.head))
@@ -72,19 +72,20 @@ class Drafter:
         original = m.forward
         return lambda x, *a, **k: draft_forward(x) if self.active and self.mine() else original(x, *a, **k)
 
-    def _weights(self, m, key, make):
-        """A derived copy of m's weights, kept in the model state while they are unchanged."""
+    def _weights(self, m, kind: str, key, make):
+        """A derived copy of m's weights, kept in the model state while they are unchanged: one per
+        module and kind ("dtype", "vocab"), so drafters of different kinds do not evict each other."""
         cache = self.state.drafter.setdefault("weights", {})
         w = m.weight
         tag = (key, id(w), w._version, w.data_ptr())
-        hit = cache.get(id(m))
+        hit = cache.get((id(m), kind))
         if hit is None or hit[0] != tag:
-            hit = cache[id(m)] = (tag, make())
+            hit = cache[(id(m), kind)] = (tag, make())
         return hit[1]
 
     def _low_precision(self, m):
         def forward(x):
-            w, b = self._weights(m, self.dtype, lambda: (m.weight.to(self.dtype),
+            w, b = self._weights(m, "dtype", self.dtype, lambda: (m.weight.to(self.dtype),
                                                          None if m.bias is None else m.bias.to(self.dtype)))
             return nn.functional.linear(x.to(self.dtype), w, b).to(x.dtype)
         return forward
@@ -94,7 +95,7 @@ class Drafter:
         key = (dtype, tuple(vocab[:8].tolist()), len(vocab), int(vocab.sum()))
 
         def forward(x):
-            w, b = self._weights(head, key, lambda: (head.weight[vocab].to(dtype),
+            w, b = self._weights(head, "vocab", key, lambda: (head.weight[vocab].to(dtype),
                                                      None if head.bias is None else head.bias[vocab].to(dtype)))
             out = x.new_full((*x.shape[:-1], head.weight.shape[0]), torch.finfo(x.dtype).min)
             out[..., vocab] = nn.functional.linear(x.to(dtype), w, b).to(x.dtype)
