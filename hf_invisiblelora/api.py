@@ -106,7 +106,8 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         vocab = draft_vocab if draft_vocab is None or not isinstance(draft_vocab, int) else \
             drafter_vocabulary(state, draft_vocab, input_ids, vocab_size)
         drafter = None if vocab is None and draft_dtype is None else \
-            Drafter(inner, state, state.mine, None if vocab is None else torch.as_tensor(vocab), draft_dtype)
+            Drafter(inner, state, state.mine, None if vocab is None else torch.as_tensor(vocab), draft_dtype,
+                    size=draft_vocab if isinstance(draft_vocab, int) else None)
         if compile_backend is None:
             fwd = EagerForward(inner, lora, b, width, input_ids.device, drafter)
         else:
@@ -118,7 +119,8 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         decoder = Decoder(
             fwd, lora, GeneratePolicy(logits_processor, bool(generation_config.do_sample), generator),
             Gate(gate, num_draft_tokens, state.gate, BASE,
-                 variant=(compile_backend or "eager") + (drafter.variant if drafter else "")),
+                 variant=(compile_backend or "eager") + (drafter.variant if drafter else ""),
+                 drafter=drafter.variant if drafter else ""),
             capacity=b, span=b, pad_id=pad_id, eos=None if eos is None else eos.reshape(-1).to(input_ids.device),
             criteria=split_criteria(stopping_criteria), freeze=eos is not None,  # as standard decoding pads finished rows
             recompute=None if slot is None else Recompute(slot, b),

@@ -49,14 +49,17 @@ def vocabulary(state, size: int, prompt_ids: torch.Tensor, vocab_size: int) -> t
 
 class Drafter:
     """The draft-pass options of one call (see the module docstring). ``active`` is set by the
-    forward object: True during LoRA-off passes."""
+    forward object: True during LoRA-off passes. ``variant`` names the options for the gate, which
+    learns costs and acceptance per drafter: ``size`` is the vocabulary size asked for (the
+    vocabulary itself also holds the prompts' tokens, so its length changes from call to call)."""
 
-    def __init__(self, inner, state, mine, vocab: torch.Tensor | None = None, dtype=None):
+    def __init__(self, inner, state, mine, vocab: torch.Tensor | None = None, dtype=None, size: int | None = None):
         self.inner, self.state, self.mine = inner, state, mine
         self.vocab, self.dtype = vocab, dtype
         self.active = False
         self.head = _base(inner.get_output_embeddings())
-        self.variant = "".join([f"/vocab{len(vocab)}" if vocab is not None else "", f"/{dtype}" if dtype else ""])
+        size = size if size is not None else None if vocab is None else len(vocab)
+        self.variant = "".join([f"/vocab{size}" if vocab is not None else "", f"/{dtype}" if dtype else ""])
 
     def installed(self):
         routed = {}

@@ -11,8 +11,8 @@ the gate picks k in 0..K minimising the expected time for the row expected to fi
 
 and drafts only if that promises MARGIN more speed than plain steps.
 
-Acceptance is tracked per adapter (decayed success/trial counts, seeded by a prior, pooled over
-rows and calls); pass costs are measured from the passes themselves, per batch shape (rows,
+Acceptance is tracked per adapter and drafter (decayed success/trial counts, seeded by a prior,
+pooled over rows and calls; a cheaper drafter, drafter.py, is accepted less often); pass costs are measured from the passes themselves, per batch shape (rows,
 distinct adapters, eager or compiled) and tokens per row, as the median of the last few timings.
 Both live in the model's state (state.py), so later generate calls start informed.
 
@@ -78,13 +78,17 @@ def expected_tokens(a: float, remaining: int, k: int) -> float:
 class Gate:
     """Chooses k for each cycle of one generate call; learns into a ``GateMemory``."""
 
-    def __init__(self, mode: str, max_k: int, memory: GateMemory, base: str, variant: str = "eager"):
+    def __init__(self, mode: str, max_k: int, memory: GateMemory, base: str, variant: str = "eager",
+                 drafter: str = ""):
         self.mode, self.max_k, self.memory, self.base, self.variant = mode, max_k, memory, base, variant
+        self.drafter = drafter  # the drafter's variant (drafter.Drafter.variant; "" the full base model)
         self.set_rows([])
 
     def set_rows(self, adapter_names: list) -> None:
         """The adapter of each row of the next cycles (None: a free row)."""
         self.names = adapter_names
+        # Acceptance is learned per adapter and drafter.
+        self.keys = [(a, self.drafter) if self.drafter else a for a in adapter_names]
         # What a pass's cost depends on: rows, distinct adapters, eager or compiled.
         self.shape = (len(adapter_names), len(set(a for a in adapter_names if a is not None)), self.variant)
         self.is_base = [a == self.base for a in adapter_names]
@@ -100,7 +104,7 @@ class Gate:
         if costs is None:  # calibrate with the cheapest cycles: a plain step, then one draft
             return 0 if ("verify", self.shape, 1) not in self.memory.costs else 1
         # Plain floats: this runs every cycle, and small tensor ops would cost more than the arithmetic.
-        rows = [(1.0 if b else self.memory.acceptance(a), r) for a, b, r in zip(self.names, self.is_base, remaining) if r]
+        rows = [(1.0 if b else self.memory.acceptance(a), r) for a, b, r in zip(self.keys, self.is_base, remaining) if r]
         options = range(min(cap, len(costs) - 1) + 1)
         finish = [max(r / expected_tokens(a, r, k) for a, r in rows) * costs[k] for k in options]
         finish[0] /= MARGIN
@@ -146,7 +150,7 @@ class Gate:
         m = self.memory
         if k:
             m.observe_cost(("draft", self.shape), draft_s / k)
-            for name, n, act, base in zip(self.names, n_accepted, active, self.is_base):
+            for name, n, act, base in zip(self.keys, n_accepted, active, self.is_base):
                 if act and not base:
                     # n successes, then one failure unless every draft was kept (Bernoulli per position).
                     m.accepted[name] = DECAY * m.accepted.get(name, 0.0) + n

@@ -164,3 +164,17 @@ def test_marginal_gains_do_not_trigger_drafting():
         g = gate_with(costs, 0.1, {"x": a, "y": a}, rows=["x", "y"])
         assert g.choose([50, 50]) == k
     assert 1.01 < MARGIN < 1.04
+
+
+def test_acceptance_is_learned_per_drafter():
+    """A cheaper drafter is accepted less often: what one drafter taught the gate does not steer
+    another's decisions, and each learns from its own cycles."""
+    mem = GateMemory()
+    full, vocab = Gate("auto", K, mem, "__base__"), Gate("auto", K, mem, "__base__", variant="eager/vocab64",
+                                                          drafter="/vocab64")
+    for g in (full, vocab):
+        g.set_rows(["x", "x"])
+    for _ in range(50):
+        full.observe(2, [2, 2], [True, True], 0.01, 0.02)  # every draft kept
+        vocab.observe(2, [0, 0], [True, True], 0.01, 0.02)  # none kept
+    assert mem.acceptance("x") > 0.9 and mem.acceptance(("x", "/vocab64")) < 0.1
