@@ -49,6 +49,16 @@ def _restore(module, state):
         setattr(module, k, v)
 
 
+def _parts(out) -> tuple:
+    """A rotary module's output as a tuple: (cos, sin) for most, one complex tensor for some (Llama 4)."""
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _each(out, f):
+    """``f`` applied to each tensor of a rotary output, in the output's own structure."""
+    return tuple(f(t) for t in out) if isinstance(out, tuple) else f(out)
+
+
 class StepRotary:
     """Per-slot rotary embeddings for the length-dependent rotary modules of one call.
 
@@ -87,24 +97,21 @@ class StepRotary:
         if layout.prefix is not None:  # standard decoding's one call over slots [0, prefix)
             if module in self.after_prefill:
                 _restore(module, self.after_prefill[module])
-            c, s = original(x, layout.positions[:, : layout.prefix], *args, **kwargs)
+            out = original(x, layout.positions[:, : layout.prefix], *args, **kwargs)
             self.after_prefill.setdefault(module, _snapshot(module))  # the first such call is the prompt's
             q = layout.query.shape[1]
-            return c[rows, :q], s[rows, :q]
+            return _each(out, lambda t: t[rows, :q])
         slots = layout.query  # [b, q]
-        positions = layout.positions
-        cos = sin = None
+        result = None
         for j in slots.unique().tolist():
             _restore(module, self.after_prefill[module])
-            c, s = original(x, positions[:, j : j + 1], *args, **kwargs)  # the step that fed slot j
-            c, s = c[rows], s[rows]
-            if cos is None:
-                cos = c.new_empty(*slots.shape, c.shape[-1])
-                sin = s.new_empty(*slots.shape, s.shape[-1])
+            out = _each(original(x, layout.positions[:, j : j + 1], *args, **kwargs), lambda t: t[rows])  # slot j's step
+            if result is None:
+                result = _each(out, lambda t: t.new_empty(*slots.shape, *t.shape[2:]))
             r, t = (slots == j).nonzero(as_tuple=True)
-            cos[r, t] = c[r, 0]
-            sin[r, t] = s[r, 0]
-        return cos, sin
+            for dst, src in zip(_parts(result), _parts(out)):
+                dst[r, t] = src[r, 0]
+        return result
 
     def finish(self, prompt_len: int, new_tokens: int) -> None:
         """Leave each module as standard decoding does after ``new_tokens`` tokens: its last step fed

@@ -16,10 +16,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
 import math
+import os
+import platform
 import re
 import warnings
 
@@ -183,6 +186,39 @@ def smollm2_shaped(adapters: dict, strength: float = 1.0, seed: int = 0):
     """SmolLM2-135M's shape (float32, random weights) with ``adapters`` ({name: LoraConfig kwargs})."""
     torch.manual_seed(seed)
     return with_adapters(LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).eval(), adapters, strength)
+
+
+def synthetic_zoo(strength: float, n_adapters: int = 16, prompt_len: int = 32):
+    """SmolLM2-135M's shape with random weights and random LoRA adapters (ranks 8-64, attention-only
+    or all 7 linear modules): needs no files, so it runs where the zoo cannot travel (a lent GPU).
+    Speeds are those of the real shape; acceptance follows ``strength`` (the scale of the adapters'
+    random B weights), not real text. Returns (model, adapter names, prompts_for(name, n, seed))."""
+    names = [f"synthetic{i}" for i in range(n_adapters)]
+    ranks = [(8, 16, 32, 64)[i % 4] for i in range(n_adapters)]
+    model = smollm2_shaped({name: dict(r=r, lora_alpha=r, target_modules=LINEAR if i % 2 else LINEAR[:4])
+                            for i, (name, r) in enumerate(zip(names, ranks))}, strength)
+
+    def prompts_for(name, n, seed):
+        g = torch.Generator().manual_seed(1000 * names.index(name) + seed)
+        return torch.randint(3, SMOLLM2_135M["vocab_size"], (n, prompt_len), generator=g).tolist()
+
+    return model, names, prompts_for
+
+
+def machine() -> str:
+    """The CPU a benchmark ran on, as benchmark tables report it: model name, cores, and the
+    instruction sets that decide fp32/bf16 matmul speed (the CPU changes between sessions)."""
+    name, flags = platform.machine(), set()
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name}, {os.cpu_count()} CPUs" + (f", {' '.join(isa)}" if isa else "")
 
 
 # The architecture sweep.
@@ -947,12 +983,17 @@ def sweep_verdict(arch, edit=None):
     assert ref is not None, "stock decoding is not finite"
     before = _lora_state(model)
     for k in (1, 3):
+        passes = []  # a refusal comes before the first forward pass; a ValueError after it is a failure
+        hook = model.get_base_model().register_forward_pre_hook(lambda *_: passes.append(1))
         try:
             out = model.generate(input_ids=ids, attention_mask=mask, adapter_names=SWEEP_NAMES, do_sample=False,
                                  max_new_tokens=SWEEP_NEW, invisible_lora=True, num_draft_tokens=k, gate="always")
         except ValueError as refusal:
+            assert not passes, f"K={k}: ValueError while decoding (not a refusal before it): {refusal}"
             assert _lora_state(model) == before, "a refused call changed the model"
             return "refused", str(refusal)
+        finally:
+            hook.remove()
         assert torch.equal(out, ref), f"K={k}: {out.tolist()} != stock {ref.tolist()}"
         assert _lora_state(model) == before
     return "identical", note
