@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import json
 import logging
-import platform
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ import torch
 from transformers import BatchEncoding
 
 import hf_invisiblelora  # noqa: F401  (generate(invisible_lora=True))
+from hf_invisiblelora.testing import machine, synthetic_zoo
 
 # The eager configurations pass compile=False: "auto" would capture CUDA graphs on CUDA.
 CONFIGS = {
@@ -69,7 +69,7 @@ def load(kind: str, device: str, dtype: torch.dtype, strength: float, zoo_name: 
     """(peft_model on device/dtype, encode(prompts) -> inputs on device, adapter names, prompts_for(name, count, seed))."""
     tok = None
     if kind == "synthetic":  # prompts are token ids, all of one length
-        model, names, prompts_for = synthetic(strength)
+        model, names, prompts_for = synthetic_zoo(strength)
     elif kind == "smoke":
         from hf_invisiblelora.testing import tiny_peft, tiny_tokenizer
 
@@ -98,25 +98,6 @@ def load(kind: str, device: str, dtype: torch.dtype, strength: float, zoo_name: 
         return enc.to(device)
 
     return model.to(device=device, dtype=dtype), encode, names, prompts_for, tok
-
-
-def synthetic(strength: float, n_adapters: int = 16, prompt_len: int = 32):
-    """SmolLM2-135M's shape with random weights and random LoRA adapters (ranks 8-64, attention-only
-    or all 7 linear modules): needs no files, so it runs where the zoo cannot travel (a lent GPU).
-    Speeds are those of the real shape; acceptance follows ``strength`` (the scale of the adapters'
-    random B weights), not real text, and is reported with the results."""
-    from hf_invisiblelora.testing import LINEAR, SMOLLM2_135M, smollm2_shaped
-
-    names = [f"synthetic{i}" for i in range(n_adapters)]
-    ranks = [(8, 16, 32, 64)[i % 4] for i in range(n_adapters)]
-    model = smollm2_shaped({name: dict(r=r, lora_alpha=r, target_modules=LINEAR if i % 2 else LINEAR[:4])
-                            for i, (name, r) in enumerate(zip(names, ranks))}, strength)
-
-    def prompts_for(name, n, seed):
-        g = torch.Generator().manual_seed(1000 * names.index(name) + seed)
-        return torch.randint(3, SMOLLM2_135M["vocab_size"], (n, prompt_len), generator=g).tolist()
-
-    return model, names, prompts_for
 
 
 def workload(encode, names, prompts_for, n_adapters, batch):
@@ -365,7 +346,7 @@ def main(argv=None):
     adapter_counts = [a for a in adapter_counts if a <= len(names)] or [len(names)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = dict(command="python " + " ".join(sys.argv), machine=platform.platform(), threads=torch.get_num_threads(),
+    results = dict(command="python " + " ".join(sys.argv), machine=machine(), threads=torch.get_num_threads(),
                    device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", dtype=args.dtype,
                    model=args.zoo if kind == "zoo" else kind, draft_vocab=args.draft_vocab,
                    torch=torch.__version__, adapters=names, new_tokens=args.new_tokens, repeats=args.repeats,

@@ -16,14 +16,13 @@ Medians of repeats, wall clock and this process's CPU time. Prints a table, writ
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
 import torch
 
 from hf_invisiblelora.bank import get_bank
-from hf_invisiblelora.testing import LINEAR, SMOLLM2_135M, smollm2_shaped
+from hf_invisiblelora.testing import LINEAR, SMOLLM2_135M, machine, smollm2_shaped
 
 MAX_LORA_GB = 6.0  # PEFT's copy + the bank's; configs above it are skipped (RAM is shared)
 
@@ -125,7 +124,7 @@ def main():
                       f" {r['step_peft_ms'] / r['step_torch_ms']:9.2f}x", flush=True)
         del pm
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    meta = dict(torch=torch.__version__, threads=args.threads, repeats=repeats, machine=platform.processor() or platform.machine(),
+    meta = dict(torch=torch.__version__, threads=args.threads, repeats=repeats, machine=machine(),
                 cpus=os.cpu_count(), load_avg=os.getloadavg(), time=time.strftime("%Y-%m-%d %H:%M:%S"))
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

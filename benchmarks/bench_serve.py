@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import random
 import sys
 import time
@@ -45,6 +44,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_invisiblelora  # noqa: F401  (generate(invisible_lora=True))
 from hf_invisiblelora.engine import Engine, Request
+from hf_invisiblelora.testing import machine
 
 MODES = ("stock", "static", "engine")
 
@@ -330,7 +330,7 @@ def main(argv=None):
     eos = {eos} if isinstance(eos, int) else set(eos or [])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = dict(command=command, machine=platform.platform(), device=args.device, dtype=args.dtype,
+    results = dict(command=command, machine=machine(), device=args.device, dtype=args.dtype,
                    threads=torch.get_num_threads(), torch=torch.__version__, model="tiny (smoke)" if args.smoke else "smollm2",
                    adapters=names, modes=args.modes, requests_per_rate=args.requests, max_tokens=args.max_tokens,
                    prompt_tokens=args.prompt_tokens, max_batch=args.max_batch, num_draft_tokens=args.num_draft_tokens,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ from hf_invisiblelora.adapters import BankSwitch
 from hf_invisiblelora.drafter import Drafter
 from hf_invisiblelora.forward import EagerForward
 from hf_invisiblelora.state import state_of
+from hf_invisiblelora.testing import machine
 
 CONTEXT = 64
 
@@ -148,7 +148,7 @@ def main(argv=None):
     weights = base_bytes(model.get_base_model())
     draft_vocab = zoo.corpus_vocabulary(args.model, tok, args.draft_vocab)
     results = []
-    print(f"{args.model}: {len(names)} adapters; CPU {platform.processor() or platform.machine()}, "
+    print(f"{args.model}: {len(names)} adapters; CPU {machine()}, "
           f"{torch.get_num_threads()} threads; ms per step, medians of {args.repeats}")
     print("| batch | adapters | base step | draft pass | draft, vocab | draft, bf16 | LoRA-on step (x base) | "
           "bound (x base) | LoRA-on / bound | stock PEFT step | verify 3 tokens | lm_head |")
@@ -175,7 +175,7 @@ def main(argv=None):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(command="python benchmarks/bench_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                                   cpu=platform.processor(), threads=torch.get_num_threads(), draft_vocab=args.draft_vocab,
+                                   cpu=machine(), threads=torch.get_num_threads(), draft_vocab=args.draft_vocab,
                                    results=results), indent=1))
 
 

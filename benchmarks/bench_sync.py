@@ -11,7 +11,6 @@ synthetic model) and on the zoo's four demo adapters, next to one generate call 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
@@ -21,6 +20,7 @@ import torch
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.bank import get_bank
 from hf_invisiblelora.state import state_of
+from hf_invisiblelora.testing import machine, synthetic_zoo
 
 
 def timed(fn, repeats):
@@ -61,13 +61,12 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
-    from bench_decoding import synthetic  # noqa: E402  (benchmarks/ is this script's folder)
 
-    print(f"CPU: {platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}\n")
+    print(f"CPU: {machine()}, torch threads {torch.get_num_threads()}\n")
     print("| model | adapters | adapter weights | first build | sync, nothing changed | sync, one layer's "
           "weight edited via .data | a generate call (8 rows, 32 new tokens, gate never) |")
     print("|---|---|---|---|---|---|---|")
-    model, names, prompts_for = synthetic(0.3)
+    model, names, prompts_for = synthetic_zoo(0.3)
 
     def encode_synthetic(rows):
         ids = torch.tensor([prompts_for(name, 1, seed=i)[0] for i, name in enumerate(rows)])

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora import zoo
-from hf_invisiblelora.testing import all_near_ties, divergences
+from hf_invisiblelora.testing import all_near_ties, divergences, machine
 from hf_invisiblelora.zoo.demo import DEMO_ADAPTERS
 
 def main(argv=None):
@@ -75,7 +74,7 @@ def main(argv=None):
               f"{[(round(g, 1), round(n, 1)) for _, g, n in diverged]}; all near ties: {summary[backend]['all_near_ties']}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(args=vars(args), cpu=platform.processor(), summary=summary), indent=1))
+    out.write_text(json.dumps(dict(args=vars(args), cpu=machine(), summary=summary), indent=1))
     print("command: python benchmarks/low_precision.py " + " ".join(sys.argv[1:] if argv is None else argv))
 
 

@@ -11,7 +11,7 @@ from peft import LoraConfig
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.engine import Engine, Request
-from hf_invisiblelora.testing import ADAPTERS, EOS, chi_square_p, tiny_peft
+from hf_invisiblelora.testing import chi_square_p, tiny_peft
 
 NAMES = ["a", "b", "__base__", "c", "d"]
 

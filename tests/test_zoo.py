@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import hf_invisiblelora
+import hf_invisiblelora  # noqa: F401  (generate(invisible_lora=True))
 from hf_invisiblelora import zoo
 from hf_invisiblelora.zoo import corpora
 from hf_invisiblelora.zoo.__main__ import main as zoo_main
