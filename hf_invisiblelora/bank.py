@@ -43,11 +43,12 @@ def _laid_out(t: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 class _Packed(NamedTuple):
     """Active slots' weights side by side at their own ranks (the stacks pad every slot to the
-    largest rank of the bank): A [in, n], B [n, out] (None for a group), the slot of each of the
-    n columns, and a key for what the columns are (slots and ranks), which masks are cached by.
-    A group's: its layers' A side by side, and each layer's columns {id(layer): slice}."""
+    largest rank of the bank): A [in, n] (None for a layer in a group), B [n, out] (None for a
+    group), the slot of each of the n columns, and a key for what the columns are (the slots'
+    ranks; masks are cached by it). A group's: its layers' A side by side, and each layer's
+    columns {id(layer): slice}."""
 
-    A: torch.Tensor
+    A: torch.Tensor | None
     B: torch.Tensor | None
     col_slot: torch.Tensor
     key: tuple
@@ -98,10 +99,13 @@ class _Layer:
                 self.write(slot, a)
 
     def _pack(self, slots) -> "_Packed":
-        cols = [(s, r) for s in slots for r in range(self.ranks[s])]
-        A = torch.cat([self.A[s, : self.ranks[s]] for s in slots]).T.contiguous()
-        B = torch.cat([self.B[s, :, : self.ranks[s]] for s in slots], dim=1).T.contiguous()
-        return _Packed(A, B, torch.tensor([s for s, _ in cols], device=A.device), tuple(self.ranks[s] for s in slots))
+        # One copy each, straight into the layout the matmuls read (a serving engine repacks whenever
+        # its set of adapters changes). A grouped layer's A is packed by its group.
+        ranks = [self.ranks[s] for s in slots]
+        A = None if self.group is not None else torch.cat([self.A[s, :r].T for s, r in zip(slots, ranks)], dim=1)
+        B = torch.cat([self.B[s, :, :r].T for s, r in zip(slots, ranks)])
+        col_slot = torch.tensor([s for s, r in zip(slots, ranks) for _ in range(r)], device=B.device)
+        return _Packed(A, B, col_slot, tuple(ranks))
 
     def _values(self, a):
         m = self.module
@@ -150,9 +154,10 @@ class _Group:
 
     def _pack(self, slots) -> "_Packed":
         parts = [layer.packs.get(slots) for layer in self.layers]
-        ends = itertools.accumulate(p.A.shape[1] for p in parts)
-        columns = {id(layer): slice(end - p.A.shape[1], end) for layer, p, end in zip(self.layers, parts, ends)}
-        return _Packed(torch.cat([p.A for p in parts], dim=1), None, torch.cat([p.col_slot for p in parts]),
+        A = torch.cat([layer.A[s, :r].T for layer, p in zip(self.layers, parts) for s, r in zip(slots, p.key)], dim=1)
+        widths = [len(p.col_slot) for p in parts]
+        columns = {id(layer): slice(end - w, end) for layer, w, end in zip(self.layers, widths, itertools.accumulate(widths))}
+        return _Packed(A, None, torch.cat([p.col_slot for p in parts]),
                        tuple(p.key for p in parts), columns)
 
     def clear(self):
