@@ -209,8 +209,8 @@ def machine() -> str:
     """The CPU a benchmark ran on, as benchmark tables report it: model name, cores, and the
     instruction sets that decide fp32/bf16 matmul speed (the CPU changes between sessions)."""
     name, flags = platform.machine(), set()
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
+        for line in info:
             key, _, value = line.partition(":")
             if key.strip() == "model name":
                 name = value.strip()
