@@ -29,7 +29,6 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -99,7 +98,6 @@ class Handle:
         self.finish_reason = None
         self.error = None
         self.drafted = self.accepted = 0
-        self.submitted_at, self.admitted_at, self.first_token_at = time.perf_counter(), None, None
         self._chunks = queue.Queue()
         self.done = threading.Event()
 
@@ -108,8 +106,6 @@ class Handle:
 
     def _put(self, tokens: list[int]) -> bool:
         """Hand over committed tokens; True if the request's on_tokens callback asks to stop."""
-        if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
         self.tokens += tokens
         self._chunks.put(tokens)
         return bool(self.request.on_tokens and self.request.on_tokens(tokens))
@@ -176,6 +172,8 @@ class Engine:
         with self._wake:
             if not self.alive:
                 raise RuntimeError(f"The engine is not running{f' (it failed: {self.error})' if self.error else ''}.")
+            if request.adapter != BASE and request.adapter not in self.model.peft_config:  # unloaded meanwhile
+                raise ValueError(f"Unknown adapter {request.adapter!r}; loaded: {list(self.model.peft_config)}.")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue}); retry later.")
             self._waiting.append(handle)
@@ -251,14 +249,16 @@ class Engine:
     def unload_adapter(self, name: str, timeout: float = 600) -> None:
         """Unload an adapter between cycles; refused while a request uses it, and for the last one."""
         def unload():
-            if name not in self.model.peft_config:
-                raise ValueError(f"No adapter named {name!r} is loaded; loaded: {self.adapters()}.")
-            if len(self.model.peft_config) == 1:
-                raise RuntimeError(f"{name!r} is the last adapter; a PEFT model keeps at least one.")
-            busy = [h for h in list(self._waiting) + self._handles if h is not None and h.request.adapter == name]
-            if busy:
-                raise RuntimeError(f"Adapter {name!r} is in use by {len(busy)} request(s); unload it when they are done.")
-            self.model.delete_adapter(name)
+            with self._wake:  # submit() checks the adapter and queues a request under the same lock
+                if name not in self.model.peft_config:
+                    raise ValueError(f"No adapter named {name!r} is loaded; loaded: {list(self.model.peft_config)}.")
+                if len(self.model.peft_config) == 1:
+                    raise RuntimeError(f"{name!r} is the last adapter; a PEFT model keeps at least one.")
+                busy = [h for h in list(self._waiting) + self._handles if h is not None and h.request.adapter == name]
+                if busy:
+                    raise RuntimeError(f"Adapter {name!r} is in use by {len(busy)} request(s); unload it when they "
+                                       "are done.")
+                self.model.delete_adapter(name)
         self._command(unload, timeout)
 
     def _command(self, fn, timeout):
@@ -301,6 +301,13 @@ class Engine:
                 if h is not None:
                     h._finish("cancelled")
             self._waiting.clear()
+        self._fail_commands(RuntimeError("The engine stopped before running the command."))
+
+    def _fail_commands(self, error: Exception) -> None:
+        while not self._commands.empty():
+            _, done, box = self._commands.get()
+            box["error"] = error
+            done.set()
 
     # --- the engine's thread ---
 
@@ -316,11 +323,11 @@ class Engine:
                                   capacity=self.max_batch, pad_id=self.pad_id, eos=self.eos)
                 while self._running:
                     self._serve(decoder)
-                    self._run_commands()
-                    # An adapter change: a new bank (its slots may move); the rows in flight keep going.
-                    decoder.lora = fwd.lora = lora = BankSwitch(self.model, mixed=True)
-                    lora.set_rows(decoder.names)
-                    fwd.set_rows(decoder.names)
+                    if self._run_commands():
+                        # An adapter change: a new bank (its slots may move); the rows in flight keep going.
+                        decoder.lora = fwd.lora = lora = BankSwitch(self.model, mixed=True)
+                        lora.set_rows(decoder.names)
+                        fwd.set_rows(decoder.names)
             except Exception as e:  # noqa: BLE001 - every request learns the engine failed
                 logger.exception("hf_invisiblelora engine failed")
                 self.error = f"{type(e).__name__}: {e}"
@@ -330,6 +337,7 @@ class Engine:
                         if h is not None:
                             h._finish("error", self.error)
                     self._waiting.clear()
+                self._fail_commands(RuntimeError(f"The engine failed: {self.error}"))
             finally:
                 state.owner = None
 
@@ -358,17 +366,20 @@ class Engine:
                     decoder.k_per_cycle.clear()  # a long run keeps no per-cycle list
                     self._deliver(decoder, kept)
 
-    def _run_commands(self) -> None:
+    def _run_commands(self) -> bool:
+        """Run the queued adapter changes; True if one took effect (a refused or failed one changes nothing)."""
+        changed = False
         while not self._commands.empty():
             fn, done, box = self._commands.get()
             try:
-                with self._state_lock:
-                    fn()
+                fn()  # not under _state_lock: readers of adapters() and metrics must not wait for a load
+                changed = True
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 box["error"] = e
             with self._state_lock:
                 self._adapters = list(self.model.peft_config)
             done.set()
+        return changed
 
     def _admit(self, decoder: Decoder) -> None:
         free = [r for r, h in enumerate(self._handles) if h is None]
@@ -388,10 +399,8 @@ class Engine:
             mask[i, width - n:] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         idx = [r for r, _ in joining]
-        now = time.perf_counter()
         for r, h in joining:
             self._handles[r] = h
-            h.admitted_at = now
             decoder.policy.set_request(r, h.request)
         with self._state_lock:
             self.metrics["requests"] += len(joining)

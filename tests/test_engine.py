@@ -257,3 +257,17 @@ def test_the_last_adapter_stays():
         assert engine.alive and engine.adapters() == ["a"]
     finally:
         engine.stop()
+
+
+def test_unloading_an_unknown_adapter_is_refused():
+    """The engine runs commands outside the lock that adapters() takes (a refusal that lists the
+    loaded adapters used to deadlock the engine's thread); the engine serves on."""
+    model = tiny_peft("llama", adapters=("a", "b"), strength=0.6)
+    engine = Engine(model, max_batch=1, max_len=32).start()
+    try:
+        with pytest.raises(ValueError, match="No adapter named 'zzz'"):
+            engine.unload_adapter("zzz", timeout=30)
+        assert engine.alive and engine.adapters() == ["a", "b"]
+        assert engine.submit(Request([3, 4], adapter="b", max_tokens=2, temperature=0)).result(30)
+    finally:
+        engine.stop()
