@@ -118,8 +118,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         slot = recompute_slot(inner, prompt_len)
         decoder = Decoder(
             fwd, lora, GeneratePolicy(logits_processor, bool(generation_config.do_sample), generator),
-            Gate(gate, num_draft_tokens, state.gate, BASE,
-                 variant=(compile_backend or "eager") + (drafter.variant if drafter else ""),
+            Gate(gate, num_draft_tokens, state.gate, BASE, passes=compile_backend or "eager",
                  drafter=drafter.variant if drafter else ""),
             capacity=b, span=b, pad_id=pad_id, eos=None if eos is None else eos.reshape(-1).to(input_ids.device),
             criteria=split_criteria(stopping_criteria), freeze=eos is not None,  # as standard decoding pads finished rows

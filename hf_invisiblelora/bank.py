@@ -274,9 +274,10 @@ class AdapterBank:
         whatever the number of adapters, and each active adapter's weights read once at its rank.
         Its arithmetic grows with tokens x active ranks: for the few tokens of decode steps."""
         slots, group = meta.active_slots, layer.group
-        B = layer.packs.get(slots).B
+        own = layer.packs.get(slots)
+        B = own.B
         if group is None:
-            y = self._packed_shrink(x2, layer.packs.get(slots), meta)
+            y = self._packed_shrink(x2, own, meta)
         else:
             packed = group.packs.get(slots)
             y = self._shared(group, x, meta, lambda: self._packed_shrink(x2, packed, meta))[:, packed.columns[id(layer)]]

@@ -198,7 +198,6 @@ class Decoder:
         self.fwd.set_rows(self.names)
         self.rows.load(idx, input_ids, max_new)
         self.fwd.layout.load(idx, attention_mask, positions, [p + m - 2 for m in max_new])
-        self.policy.load(idx)
         sub = torch.tensor(idx, device=input_ids.device)
         logits = self.fwd(input_ids, torch.zeros_like(sub), p, keep=1, prefix=p, rows=sub)
         scores = self.policy.scores(self.rows, sub, logits, offset=0)

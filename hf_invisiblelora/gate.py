@@ -78,10 +78,11 @@ def expected_tokens(a: float, remaining: int, k: int) -> float:
 class Gate:
     """Chooses k for each cycle of one generate call; learns into a ``GateMemory``."""
 
-    def __init__(self, mode: str, max_k: int, memory: GateMemory, base: str, variant: str = "eager",
+    def __init__(self, mode: str, max_k: int, memory: GateMemory, base: str, passes: str = "eager",
                  drafter: str = ""):
-        self.mode, self.max_k, self.memory, self.base, self.variant = mode, max_k, memory, base, variant
+        self.mode, self.max_k, self.memory, self.base = mode, max_k, memory, base
         self.drafter = drafter  # the drafter's variant (drafter.Drafter.variant; "" the full base model)
+        self.variant = passes + drafter  # what pass costs depend on: eager / compiled, and the drafter
         self.set_rows([])
 
     def set_rows(self, adapter_names: list) -> None:

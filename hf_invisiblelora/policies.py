@@ -36,9 +36,6 @@ class GeneratePolicy:
     def __init__(self, processors, do_sample: bool, generator=None):
         self.processors, self.do_sample, self.generator = processors, do_sample, generator
 
-    def load(self, idx) -> None:
-        pass
-
     def scores(self, rows, which, logits, offset: int):
         idx = _idx(rows, which)
         active = [i for i, r in enumerate(idx) if not rows.done_h[r]]
@@ -78,9 +75,6 @@ class RequestPolicy:
         seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()).item())
         self.generators[r] = torch.Generator(device=self.device).manual_seed(seed)
         self.noise[r], self.drawn[r] = {}, 0
-
-    def load(self, idx) -> None:
-        pass
 
     def _gumbel(self, r: int, position: int, vocab: int):
         noise = self.noise[r]

@@ -265,6 +265,9 @@ _WINDOW = re.compile(r"^(sliding_window|sliding_window_size|attention_window_siz
                      r"|local_attention_window_len|keep_window_size)$")
 _CHUNK = re.compile(r"^(attention_chunk_size|chunk_size|mamba_chunk_size|index_block_size|block_size)$")
 _STATE = re.compile(r"^(state_size|ssm_state_size|mamba_d_state|d_state)$")
+# Attributes set to the tiny model's size whatever their value (the first pattern that matches).
+_SIZES = ((_INTERMEDIATE, INTERMEDIATE), (_HIDDEN, HIDDEN), (_POSITIONS, MAX_POSITIONS), (_WINDOW, WINDOW),
+          (_CHUNK, CHUNK), (_STATE, STATE))
 _LOW_RANK = re.compile(r"(_rank|lowrank)$")  # small internal ranks (dt_rank, laurel_rank, gate ranks, ...)
 _PERIOD = re.compile(r"(_period|_every|_every_n_layers|_step|_interval|sliding_window_pattern)$")
 _OFFSET = re.compile(r"_offset$")
@@ -408,18 +411,9 @@ def _shrink_value(key, value, heads_equal_kv, fixed=None):
         return EXPERT_INTERMEDIATE
     if _EXPERTS.search(key) and "shared" not in key:
         return min(value, EXPERTS)
-    if _INTERMEDIATE.search(key):
-        return INTERMEDIATE
-    if _HIDDEN.search(key):
-        return HIDDEN
-    if _POSITIONS.match(key):
-        return MAX_POSITIONS
-    if _WINDOW.match(key):
-        return WINDOW
-    if _CHUNK.match(key):
-        return CHUNK
-    if _STATE.match(key):
-        return STATE
+    size = next((size for pattern, size in _SIZES if pattern.search(key)), None)
+    if size is not None:
+        return size
     if _LOW_RANK.search(key) and value > 8:
         return 8
     return value

@@ -170,8 +170,7 @@ def test_acceptance_is_learned_per_drafter():
     """A cheaper drafter is accepted less often: what one drafter taught the gate does not steer
     another's decisions, and each learns from its own cycles."""
     mem = GateMemory()
-    full, vocab = Gate("auto", K, mem, "__base__"), Gate("auto", K, mem, "__base__", variant="eager/vocab64",
-                                                          drafter="/vocab64")
+    full, vocab = Gate("auto", K, mem, "__base__"), Gate("auto", K, mem, "__base__", drafter="/vocab64")
     for g in (full, vocab):
         g.set_rows(["x", "x"])
     for _ in range(50):
