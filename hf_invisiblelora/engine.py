@@ -64,6 +64,26 @@ class QueueFull(RuntimeError):
     """The engine's queue holds ``max_queue`` requests already."""
 
 
+class NotRunning(RuntimeError):
+    """The engine is not running (not started, stopped, or failed)."""
+
+
+class UnknownAdapter(ValueError):
+    """No adapter of that name is loaded."""
+
+
+class PromptTooLong(ValueError):
+    """The prompt plus max_tokens is longer than the engine's rows allow."""
+
+
+class AdapterBusy(RuntimeError):
+    """The adapter cannot be unloaded now: requests use it."""
+
+
+class LastAdapter(AdapterBusy):
+    """The adapter cannot be unloaded: a PEFT model keeps at least one."""
+
+
 def _integer(value) -> int:
     if isinstance(value, bool) or not float(value).is_integer():
         raise ValueError(value)
@@ -171,9 +191,9 @@ class Engine:
         handle = Handle(request, self)
         with self._wake:
             if not self.alive:
-                raise RuntimeError(f"The engine is not running{f' (it failed: {self.error})' if self.error else ''}.")
+                raise NotRunning(f"The engine is not running{f' (it failed: {self.error})' if self.error else ''}.")
             if request.adapter != BASE and request.adapter not in self.model.peft_config:  # unloaded meanwhile
-                raise ValueError(f"Unknown adapter {request.adapter!r}; loaded: {list(self.model.peft_config)}.")
+                raise UnknownAdapter(f"Unknown adapter {request.adapter!r}; loaded: {list(self.model.peft_config)}.")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue}); retry later.")
             self._waiting.append(handle)
@@ -200,7 +220,7 @@ class Engine:
         if request.seed is not None and not -(2**63) <= request.seed < 2**64:  # what torch's generators take
             raise ValueError(f"seed must be in [-2**63, 2**64), got {request.seed}.")
         if request.adapter != BASE and request.adapter not in self.model.peft_config:
-            raise ValueError(f"Unknown adapter {request.adapter!r}; loaded: {self.adapters()}.")
+            raise UnknownAdapter(f"Unknown adapter {request.adapter!r}; loaded: {self.adapters()}.")
         if request.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}.")
         if not request.temperature >= 0:
@@ -209,11 +229,16 @@ class Engine:
             raise ValueError(f"top_p must be in (0, 1], got {request.top_p}.")
         if request.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {request.top_k}.")
-        need = len(request.prompt) + request.max_tokens
-        if need + self.num_draft_tokens + 1 > self.max_len or (self.max_positions and need > self.max_positions):
-            allowed = min(self.max_len - self.num_draft_tokens - 1, self.max_positions or self.max_len)
-            raise ValueError(f"The prompt ({len(request.prompt)} tokens) plus max_tokens ({request.max_tokens}) is "
-                             f"longer than this server allows ({allowed} tokens); shorten the prompt or max_tokens.")
+        if len(request.prompt) + request.max_tokens > self.max_request_tokens:
+            raise PromptTooLong(f"The prompt ({len(request.prompt)} tokens) plus max_tokens ({request.max_tokens}) is "
+                                f"longer than this server allows ({self.max_request_tokens} tokens); shorten the "
+                                "prompt or max_tokens.")
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most prompt + new tokens a request may have: a row's slots less the drafts' room, and
+        the model's position limit."""
+        return min(self.max_len - self.num_draft_tokens - 1, self.max_positions or self.max_len)
 
     def adapters(self) -> list[str]:
         with self._state_lock:
@@ -251,19 +276,19 @@ class Engine:
         def unload():
             with self._wake:  # submit() checks the adapter and queues a request under the same lock
                 if name not in self.model.peft_config:
-                    raise ValueError(f"No adapter named {name!r} is loaded; loaded: {list(self.model.peft_config)}.")
+                    raise UnknownAdapter(f"No adapter named {name!r} is loaded; loaded: {list(self.model.peft_config)}.")
                 if len(self.model.peft_config) == 1:
-                    raise RuntimeError(f"{name!r} is the last adapter; a PEFT model keeps at least one.")
+                    raise LastAdapter(f"{name!r} is the last adapter; a PEFT model keeps at least one.")
                 busy = [h for h in list(self._waiting) + self._handles if h is not None and h.request.adapter == name]
                 if busy:
-                    raise RuntimeError(f"Adapter {name!r} is in use by {len(busy)} request(s); unload it when they "
+                    raise AdapterBusy(f"Adapter {name!r} is in use by {len(busy)} request(s); unload it when they "
                                        "are done.")
                 self.model.delete_adapter(name)
         self._command(unload, timeout)
 
     def _command(self, fn, timeout):
         if not self.alive:
-            raise RuntimeError("The engine is not running.")
+            raise NotRunning("The engine is not running.")
         done, box = threading.Event(), {}
         with self._wake:
             self._commands.put((fn, done, box))
@@ -301,7 +326,7 @@ class Engine:
                 if h is not None:
                     h._finish("cancelled")
             self._waiting.clear()
-        self._fail_commands(RuntimeError("The engine stopped before running the command."))
+        self._fail_commands(NotRunning("The engine stopped before running the command."))
 
     def _fail_commands(self, error: Exception) -> None:
         while not self._commands.empty():
@@ -337,7 +362,7 @@ class Engine:
                         if h is not None:
                             h._finish("error", self.error)
                     self._waiting.clear()
-                self._fail_commands(RuntimeError(f"The engine failed: {self.error}"))
+                self._fail_commands(NotRunning(f"The engine failed: {self.error}"))
             finally:
                 state.owner = None
 
@@ -410,16 +435,18 @@ class Engine:
 
     def _deliver(self, decoder: Decoder, kept: list[int]) -> None:
         rows = decoder.rows
+        # The committed tokens of every row in one copy to the host (one device sync, not one per row).
+        tokens = rows.tokens[: len(kept)].tolist() if any(kept) else None
+        with self._state_lock:
+            self.metrics["tokens"] += sum(n for r, n in enumerate(kept) if self._handles[r] is not None)
         for r, n in enumerate(kept):
             h = self._handles[r]
             if h is None:
                 continue
             if n:
                 end = rows.plen_h[r] + rows.gen_h[r]
-                with self._state_lock:
-                    self.metrics["tokens"] += n
                 try:
-                    stop = h._put(rows.tokens[r, end - n : end].tolist())
+                    stop = h._put(tokens[r][end - n : end])
                 except Exception as e:  # noqa: BLE001 - the request's own callback failed: only it ends
                     rows.done_h[r] = True
                     self._release(decoder, r, "error", f"on_tokens raised {type(e).__name__}: {e}")

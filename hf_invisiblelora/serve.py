@@ -44,6 +44,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from .checks import BASE
+from .engine import AdapterBusy, LastAdapter, NotRunning, PromptTooLong, QueueFull, UnknownAdapter
 
 logger = logging.getLogger("hf_invisiblelora.serve")
 
@@ -65,6 +66,11 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def engine_unavailable() -> ApiError:
+    return ApiError(503, "The decoding engine is not running (see the server's log).", type="server_error",
+                    code="engine_unavailable")
 
 
 def not_found(model: str) -> ApiError:
@@ -405,8 +411,7 @@ class Server:
 
     def check_alive(self) -> None:
         if not self.alive():
-            raise ApiError(503, "The decoding engine is not running (see the server's log).", type="server_error",
-                           code="engine_unavailable")
+            raise engine_unavailable()
 
     def adapter_for(self, model) -> str:
         if model is None or model in (self.model_id, BASE):
@@ -469,12 +474,10 @@ class Server:
 
     def room(self, prompt_len: int) -> int:
         """The most new tokens a prompt of this length can get (the default max_tokens of a chat)."""
-        engine = self.engine
-        allowed = min(engine.max_len - engine.num_draft_tokens - 1, engine.max_positions or engine.max_len)
-        return max(allowed - prompt_len, 1)
+        return max(self.engine.max_request_tokens - prompt_len, 1)
 
     def submit(self, prompt: list[int], adapter: str, sampling: Sampling, chat: bool, model_name: str) -> Job:
-        from .engine import QueueFull, Request
+        from .engine import Request  # fastapi's Request is this module's
 
         self.check_alive()
         max_tokens = sampling.max_tokens or (self.room(len(prompt)) if chat else COMPLETION_DEFAULT_MAX_TOKENS)
@@ -485,12 +488,11 @@ class Server:
             job = Job(self, request, sampling.stop, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name)
         except QueueFull as e:
             raise ApiError(429, str(e), type="server_error", code="queue_full") from e
+        except UnknownAdapter as e:  # unloaded meanwhile
+            raise not_found(adapter) from e
         except ValueError as e:
-            message = str(e)
-            if message.startswith("Unknown adapter"):  # unloaded meanwhile
-                raise not_found(adapter) from e
-            code = "context_length_exceeded" if "longer than this server allows" in message else "invalid_value"
-            raise ApiError(400, message, param="messages" if chat else "prompt", code=code) from e
+            code = "context_length_exceeded" if isinstance(e, PromptTooLong) else "invalid_value"
+            raise ApiError(400, str(e), param="messages" if chat else "prompt", code=code) from e
         self.metrics.prompt_tokens.inc(len(prompt))
         return job
 
@@ -582,6 +584,8 @@ class Server:
         self.check_alive()
         try:  # the engine refuses what it cannot serve (checks.check_model) and rolls back a failed load
             await run_in_threadpool(self.engine.load_adapter, name, path)
+        except NotRunning as e:
+            raise engine_unavailable() from e
         except ValueError as e:
             raise ApiError(400, f"This server cannot serve the adapter at {path!r}: {e}", param="lora_path",
                            code="adapter_unsupported") from e
@@ -599,11 +603,13 @@ class Server:
         self.check_alive()
         try:
             await run_in_threadpool(self.engine.unload_adapter, name)
-        except RuntimeError as e:  # in use, or the last one (a PEFT model keeps one)
+        except AdapterBusy as e:  # in use, or the last one (a PEFT model keeps one)
             raise ApiError(409, str(e), param="lora_name",
-                           code="last_adapter" if "last adapter" in str(e) else "adapter_in_use") from e
-        except ValueError as e:
+                           code="last_adapter" if isinstance(e, LastAdapter) else "adapter_in_use") from e
+        except UnknownAdapter as e:  # unloaded meanwhile
             raise ApiError(404, str(e), param="lora_name", code="model_not_found") from e
+        except NotRunning as e:
+            raise engine_unavailable() from e
         logger.info("unloaded adapter %r", name)
         return {"object": "lora_adapter", "id": name, "status": "unloaded"}
 
