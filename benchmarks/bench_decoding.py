@@ -36,7 +36,7 @@ import torch
 from transformers import BatchEncoding
 
 import hf_invisiblelora  # noqa: F401  (generate(invisible_lora=True))
-from hf_invisiblelora.testing import machine, synthetic_zoo
+from hf_invisiblelora.testing import machine, sync, synthetic_zoo
 
 # The eager configurations pass compile=False: "auto" would capture CUDA graphs on CUDA.
 CONFIGS = {
@@ -83,10 +83,9 @@ def load(kind: str, device: str, dtype: torch.dtype, strength: float, zoo_name: 
         from hf_invisiblelora import zoo
 
         model, tok, names = zoo.load_zoo(zoo_name)
-        domains = {n: e["domain"] for n, e in zoo.read_manifest(zoo.zoo_dir(zoo_name))["adapters"].items()}
 
         def prompts_for(name, n, seed):
-            return zoo.heldout_prompts(domains[name], tok, n, 32, seed=seed)
+            return zoo.adapter_prompts(zoo_name, tok, name, n, 32, seed=seed)
 
     def encode(prompts):
         if tok is None:
@@ -103,12 +102,6 @@ def load(kind: str, device: str, dtype: torch.dtype, strength: float, zoo_name: 
 def workload(encode, names, prompts_for, n_adapters, batch):
     rows = [names[i % n_adapters] for i in range(batch)]
     return rows, encode([prompts_for(name, 1, seed=i)[0] for i, name in enumerate(rows)])
-
-
-def sync():
-    """Wait for queued GPU work before reading a clock (generate returns with work still queued)."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def generated_tokens(sequences, prompt_len, eos):

@@ -22,21 +22,9 @@ import time
 import torch
 
 from hf_invisiblelora.bank import get_bank
-from hf_invisiblelora.testing import LINEAR, SMOLLM2_135M, machine, smollm2_shaped
+from hf_invisiblelora.testing import LINEAR, SMOLLM2_135M, machine, smollm2_shaped, timed
 
 MAX_LORA_GB = 6.0  # PEFT's copy + the bank's; configs above it are skipped (RAM is shared)
-
-
-def timed(fn, repeats, inner=1):
-    """Median seconds per call, wall clock and process CPU time, over `repeats` blocks of `inner` calls."""
-    walls, cpus = [], []
-    for _ in range(repeats):
-        w, c = time.perf_counter(), time.process_time()
-        for _ in range(inner):
-            fn()
-        walls.append((time.perf_counter() - w) / inner)
-        cpus.append((time.process_time() - c) / inner)
-    return statistics.median(walls), statistics.median(cpus)
 
 
 def build(rank, n_adapters):

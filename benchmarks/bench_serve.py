@@ -44,7 +44,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_invisiblelora  # noqa: F401  (generate(invisible_lora=True))
 from hf_invisiblelora.engine import Engine, Request
-from hf_invisiblelora.testing import machine
+from hf_invisiblelora.testing import machine, sync
 
 MODES = ("stock", "static", "engine")
 
@@ -82,10 +82,9 @@ def load(smoke: bool, adapters, device: str, dtype):
         from hf_invisiblelora import zoo
 
         model, tok, names = zoo.load_zoo("smollm2", adapters, dtype=dtype)
-        domains = {n: e["domain"] for n, e in zoo.read_manifest(zoo.zoo_dir("smollm2"))["adapters"].items()}
 
         def prompts_for(name, n, seed):
-            return [tok(p)["input_ids"] for p in zoo.heldout_prompts(domains[name], tok, n, PROMPT_TOKENS, seed=seed)]
+            return [tok(p)["input_ids"] for p in zoo.adapter_prompts("smollm2", tok, name, n, PROMPT_TOKENS, seed=seed)]
     return model.to(device=device, dtype=dtype).eval(), tok, names, prompts_for
 
 
@@ -103,11 +102,6 @@ def schedule(names, prompts_for, n: int, rate: float, max_tokens: int, seed: int
         name = rng.choice(names)
         jobs.append(Job(i, t, name, rng.choice(pool[name]), rng.randint(max(1, max_tokens // 2), max_tokens)))
     return jobs
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 class StepClock(StoppingCriteria):

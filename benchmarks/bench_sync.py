@@ -11,7 +11,6 @@ Measured on SmolLM2-135M's shape with 16 random adapters (ranks 8-64; ``testing.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -20,16 +19,7 @@ import torch
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.bank import get_bank
 from hf_invisiblelora.state import state_of
-from hf_invisiblelora.testing import machine, synthetic_zoo
-
-
-def timed(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from hf_invisiblelora.testing import machine, synthetic_zoo, timed
 
 
 def measure(label, model, names, encode, repeats):
@@ -40,8 +30,8 @@ def measure(label, model, names, encode, repeats):
     build = time.perf_counter() - start
     rows = [names[i % len(names)] for i in range(8)]
     used = set(rows)
-    every = timed(lambda: get_bank(model), repeats)
-    unchanged = timed(lambda: get_bank(model, used), repeats)
+    every = timed(lambda: get_bank(model), repeats)[0]
+    unchanged = timed(lambda: get_bank(model, used), repeats)[0]
     layer = next(iter(bank.layers))
     weight = layer.lora_B[names[0]].weight
 
@@ -49,11 +39,11 @@ def measure(label, model, names, encode, repeats):
         weight.data.mul_(1.0 + 1e-3)  # a .data edit: no version counter sees it
         get_bank(model, used)
 
-    one_changed = timed(edited, repeats)
+    one_changed = timed(edited, repeats)[0]
     enc = encode(rows)
     with torch.no_grad():
         call = timed(lambda: model.generate(**enc, adapter_names=rows, max_new_tokens=32, do_sample=False,
-                                            invisible_lora=True, gate="never"), max(1, repeats // 3))
+                                            invisible_lora=True, gate="never"), max(1, repeats // 3))[0]
     print(f"| {label} | {len(names)} | {adapter_bytes / 2**20:.0f} MiB | {1000 * build:.0f} ms | {1000 * every:.1f} ms | "
           f"{len(used)}: {1000 * unchanged:.1f} ms | {1000 * one_changed:.1f} ms | {call:.2f} s ({100 * unchanged / call:.1f}%) |")
 
@@ -81,10 +71,9 @@ def main(argv=None):
 
     model, tok, names = zoo.load_zoo("smollm2", DEMO_ADAPTERS)
     tok.padding_side = "left"
-    domains = {n: e["domain"] for n, e in zoo.read_manifest(zoo.zoo_dir("smollm2"))["adapters"].items()}
 
     def encode_zoo(rows):
-        texts = [zoo.heldout_prompts(domains[n], tok, 1, 32, seed=i)[0] for i, n in enumerate(rows)]
+        texts = [zoo.adapter_prompts("smollm2", tok, n, 1, 32, seed=i)[0] for i, n in enumerate(rows)]
         return tok(texts, return_tensors="pt", padding=True)
 
     measure("SmolLM2-135M-Instruct + zoo", model, names, encode_zoo, args.repeats)

@@ -43,11 +43,7 @@ def main(argv=None):
     zoo.build("smollm2", only=DEMO_ADAPTERS)
     model, tok, names = zoo.load_zoo("smollm2", DEMO_ADAPTERS, dtype=dtype)
     tok.padding_side = "left"
-    manifest = zoo.read_manifest(zoo.zoo_dir("smollm2"))["adapters"]
-    prompts, rows = [], []
-    for name in names:
-        prompts += zoo.heldout_prompts(manifest[name]["domain"], tok, args.prompts_per_adapter, args.prompt_tokens)
-        rows += [name] * args.prompts_per_adapter
+    prompts, rows = zoo.mixed_prompts("smollm2", tok, names, args.prompts_per_adapter, args.prompt_tokens)
     order = torch.randperm(len(rows)).tolist()  # mixed batches
     prompts, rows = [prompts[i] for i in order], [rows[i] for i in order]
     results = {"default": [], "peft": []}

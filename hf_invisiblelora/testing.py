@@ -24,6 +24,8 @@ import math
 import os
 import platform
 import re
+import statistics
+import time
 import warnings
 
 import torch
@@ -205,6 +207,25 @@ def synthetic_zoo(strength: float, n_adapters: int = 16, prompt_len: int = 32):
     return model, names, prompts_for
 
 
+def timed(fn, repeats: int, inner: int = 1) -> tuple[float, float]:
+    """Median seconds per call of ``fn``, wall clock and process CPU time, over ``repeats`` blocks
+    of ``inner`` calls (benchmarks)."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        w, c = time.perf_counter(), time.process_time()
+        for _ in range(inner):
+            fn()
+        walls.append((time.perf_counter() - w) / inner)
+        cpus.append((time.process_time() - c) / inner)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def sync() -> None:
+    """Wait for queued GPU work before reading a clock (generate returns with work still queued)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def machine() -> str:
     """The CPU a benchmark ran on, as benchmark tables report it: model name, cores, and the
     instruction sets that decide fp32/bf16 matmul speed (the CPU changes between sessions)."""
@@ -236,7 +257,7 @@ STATE = 16  # SSM state size
 MAX_POSITIONS = 128  # >= 64 tokens; also the size of learned position tables
 WINDOW = 4  # shorter than the test prompts, so sliding windows really slide
 CHUNK = 8  # attention / SSM chunk lengths: a few chunks within a test sequence
-PAD, EOS, BOS = 0, 1, 2
+BOS = 2  # (PAD, EOS above)
 
 # --- name rules; the first matching rule wins (see _shrink_value) ---------------------------------
 _VOCAB = re.compile(r"vocab_size|_vocab$|^vocab$")  # not vocab_offset (an id offset)
@@ -761,11 +782,11 @@ def _linear_names(model):
 def attention_targets(model) -> list[str]:
     """Leaf names for adapter "b": the query/value projections (the usual LoRA default), else other
     attention-like projections, else the first two linear names (attention-free models)."""
-    leaves = sorted({n.rsplit(".", 1)[-1] for n in _linear_names(model)})
+    names = _linear_names(model)
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
     qv = [leaf for leaf in leaves if re.search(r"(^|_)(q|v|wq|wv|query|value|qkv|wqkv|c_attn)(_|$)", leaf, re.I)]
     if qv:
         return qv
-    names = _linear_names(model)
     attn = sorted({n.rsplit(".", 1)[-1] for n in names if re.search(r"attn|attention|mixer|self_att", n)})
     # Every other one, so "b" targets a proper subset where there is more than one.
     return attn[::2] if attn else leaves[:2]
@@ -857,14 +878,9 @@ _PEFT_MAMBA_TYPES = {"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h
 
 
 def _wrap(model, targets_a, targets_b, exclude):
-    from peft import LoraConfig, get_peft_model
-
     exclude = exclude or None
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets_a, exclude_modules=exclude,
-                                                  init_lora_weights=False), adapter_name="a")
-    peft_model.add_adapter("b", LoraConfig(r=2, lora_alpha=4, target_modules=targets_b, exclude_modules=exclude,
-                                           init_lora_weights=False))
-    return peft_model.eval()
+    return with_adapters(model, {"a": dict(r=4, lora_alpha=8, target_modules=targets_a, exclude_modules=exclude),
+                                 "b": dict(r=2, lora_alpha=4, target_modules=targets_b, exclude_modules=exclude)})
 
 
 def wrap_with_lora(model, mixed_batch_safe=True):

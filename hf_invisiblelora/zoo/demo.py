@@ -19,7 +19,7 @@ import torch
 import hf_invisiblelora  # noqa: F401  (patches PEFT's generate to accept invisible_lora=True)
 
 from .assets import EXIT_UNAVAILABLE, AssetUnavailable, log_to_stderr
-from .store import build, heldout_prompts, load_zoo, read_manifest, zoo_dir
+from .store import build, load_zoo, mixed_prompts
 
 # Sources that need only pip/npm and the Python stdlib, so a fresh machine can build them quickly.
 DEMO_ADAPTERS = ["shakespeare", "kjv", "python_code", "humaneval"]
@@ -55,11 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         build("smollm2", only=args.adapters)  # no-op when they exist
         model, tok, names = load_zoo("smollm2", args.adapters)
-        manifest = read_manifest(zoo_dir("smollm2"))["adapters"]
-        prompts, rows = [], []
-        for name in names:
-            prompts += heldout_prompts(manifest[name]["domain"], tok, args.rows_per_adapter, args.prompt_tokens)
-            rows += [name] * args.rows_per_adapter
+        prompts, rows = mixed_prompts("smollm2", tok, names, args.rows_per_adapter, args.prompt_tokens)
     except AssetUnavailable as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_UNAVAILABLE

@@ -100,6 +100,20 @@ def heldout_prompts(domain: str, tokenizer, count: int, length: int, seed: int =
     return [tokenizer.decode(ids[i : i + length]) for i in range(0, step * count, step)]
 
 
+def adapter_prompts(model: str, tokenizer, adapter: str, count: int, length: int, seed: int = 0) -> list[str]:
+    """``heldout_prompts`` of the domain the zoo's ``adapter`` was trained on."""
+    return heldout_prompts(read_manifest(zoo_dir(model))["adapters"][adapter]["domain"], tokenizer, count, length, seed)
+
+
+def mixed_prompts(model: str, tokenizer, adapters, per_adapter: int, length: int) -> tuple[list[str], list[str]]:
+    """``per_adapter`` held-out prompts of each adapter's domain, and each prompt's adapter."""
+    prompts, rows = [], []
+    for name in adapters:
+        prompts += adapter_prompts(model, tokenizer, name, per_adapter, length)
+        rows += [name] * per_adapter
+    return prompts, rows
+
+
 def corpus_vocabulary(model: str, tokenizer, size: int) -> list[int]:
     """The ``size`` most frequent token ids in the training text of the zoo's adapters' domains: a
     draft vocabulary (``generate(..., draft_vocab=ids)``) chosen without the held-out prompts."""
@@ -123,11 +137,7 @@ def measure_acceptance(model: str = "smollm2", prompts_per_adapter: int = 4, pro
     import hf_invisiblelora  # noqa: F401  (patches PEFT's generate)
 
     peft_model, tok, names = load_zoo(model)
-    prompts, rows = [], []
-    for name in names:
-        domain = read_manifest(zoo_dir(model))["adapters"][name]["domain"]
-        prompts += heldout_prompts(domain, tok, prompts_per_adapter, prompt_tokens)
-        rows += [name] * prompts_per_adapter
+    prompts, rows = mixed_prompts(model, tok, names, prompts_per_adapter, prompt_tokens)
     enc = tok(prompts, return_tensors="pt", padding=True)
     start = time.perf_counter()
     with torch.no_grad():
