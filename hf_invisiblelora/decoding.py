@@ -173,17 +173,18 @@ class Decoder:
     criteria beyond EOS and the budget (generate()'s); ``freeze``: see ``commit``. ``recompute``:
     a rotary.Recompute when standard decoding recomputes its cache at some slot. ``span``: run
     every pass over rows 0..span-1 (generate(): processors then see the whole batch, as in
-    standard decoding), else over the rows up to the last active one.
+    standard decoding), else over the rows up to the last active one. ``history``: keep each
+    cycle's k in ``k_per_cycle`` (generate()'s stats; a server's long run keeps only ``k``, the last).
     """
 
     def __init__(self, fwd, lora, policy, gate: Gate, *, capacity: int, pad_id: int, eos=None, criteria=None,
-                 freeze: bool = True, recompute=None, span: int | None = None):
+                 freeze: bool = True, recompute=None, span: int | None = None, history: bool = True):
         self.fwd, self.lora, self.policy, self.gate, self.span = fwd, lora, policy, gate, span
         self.rows = Rows.empty(capacity, fwd.layout.width, pad_id, fwd.layout.positions.device)
         self.eos, self.criteria, self.freeze, self.recompute = eos, criteria, freeze, recompute
         self.names = [None] * capacity  # each row's adapter
         self.timer = PassTimer(self.rows.tokens.device)
-        self.cycles, self.k_per_cycle = 0, []
+        self.cycles, self.k, self.k_per_cycle, self.history = 0, 0, [], history
         self.drafted, self.accepted, self.row_cycles = [0] * capacity, [0] * capacity, [0] * capacity
 
     def admit(self, idx: list[int], input_ids, attention_mask, positions, max_new: list[int], names: list[str]):
@@ -215,8 +216,9 @@ class Decoder:
         hi, active = self.span or rows.hi, rows.active
         self.gate.set_rows(self.names[:hi])
         k = self.gate.choose([0 if rows.done_h[r] else rows.max_new_h[r] - rows.gen_h[r] for r in range(hi)])
-        self.cycles += 1
-        self.k_per_cycle.append(k)
+        self.cycles, self.k = self.cycles + 1, k
+        if self.history:
+            self.k_per_cycle.append(k)
         builds = self.fwd.builds
         with self.timer("draft"):
             drafts, draft_probs = draft(self.fwd, rows, hi, k, self.policy)

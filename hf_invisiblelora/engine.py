@@ -345,7 +345,7 @@ class Engine:
                 fwd = EagerForward(inner, lora, self.max_batch, self.max_len, inner.device)
                 gate = Gate(self.gate_mode, self.num_draft_tokens, state.gate, BASE)
                 decoder = Decoder(fwd, lora, RequestPolicy(self.max_batch, inner.device), gate,
-                                  capacity=self.max_batch, pad_id=self.pad_id, eos=self.eos)
+                                  capacity=self.max_batch, pad_id=self.pad_id, eos=self.eos, history=False)
                 while self._running:
                     self._serve(decoder)
                     if self._run_commands():
@@ -383,12 +383,11 @@ class Engine:
                     with self._state_lock:
                         m = self.metrics
                         m["cycles"] += 1
-                        m["k_hist"][decoder.k_per_cycle[-1]] += 1
+                        m["k_hist"][decoder.k] += 1
                         for r, (d, a) in enumerate(before):  # drafted / accepted per adapter, as they happen
                             if self._handles[r] is not None:
                                 m["drafted"][self._handles[r].request.adapter] += decoder.drafted[r] - d
                                 m["accepted"][self._handles[r].request.adapter] += decoder.accepted[r] - a
-                    decoder.k_per_cycle.clear()  # a long run keeps no per-cycle list
                     self._deliver(decoder, kept)
 
     def _run_commands(self) -> bool:
