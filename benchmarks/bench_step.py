@@ -11,11 +11,14 @@ One decode step of every row against a 64-token cache, on a real model with its 
 - stock PEFT step: PEFT's forward with adapter_names, DynamicCache;
 - verify of 3 tokens per row: our LoRA-on pass over 3 tokens;
 - lm_head alone: the output projection of the rows' last hidden states;
+- with --compiled: the draft pass, LoRA-on step and verify of 3 tokens again as ``compile=True``
+  runs them (CompiledForward, inductor: rows and cache length padded to their buckets; compiled
+  in the untimed warm-up round, the compile time printed);
 - bound: base step x (base weight bytes + the batch's distinct adapters' bytes) / base weight bytes,
   what reading the weights alone would add.
 
     python benchmarks/bench_step.py [--model smollm2|gemma3] [--batches 1 4 8 16] [--adapters 1 4 12] [--repeats 7]
-                                    [--draft-vocab 8192]
+                                    [--draft-vocab 8192] [--compiled]
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora import zoo
 from hf_invisiblelora.adapters import BankSwitch
 from hf_invisiblelora.drafter import Drafter
-from hf_invisiblelora.forward import EagerForward
+from hf_invisiblelora.forward import CompiledForward, EagerForward
 from hf_invisiblelora.state import state_of
 from hf_invisiblelora.testing import machine
 
@@ -53,7 +56,7 @@ def base_bytes(model) -> int:
 class Setup:
     """The passes of one (batch, adapters) point, each a callable timing one step."""
 
-    def __init__(self, model, names, batch, vocab, draft_vocab):
+    def __init__(self, model, names, batch, vocab, draft_vocab, compiled=False):
         self.model, self.inner = model, model.get_base_model()
         self.rows = [names[i % len(names)] for i in range(batch)]
         g = torch.Generator().manual_seed(batch)
@@ -64,11 +67,17 @@ class Setup:
         self.lora = BankSwitch(model, mixed=True)
         self.fwd = EagerForward(self.inner, self.lora, batch, CONTEXT + 8, self.prompt.device)
         self.lora.set_rows(self.rows)
-        mask = torch.ones_like(self.prompt)
-        self.fwd.layout.load(list(range(batch)), mask, (mask.cumsum(-1) - 1), [CONTEXT + 6] * batch)
         self.start = torch.full((batch,), CONTEXT, dtype=torch.long)
-        with self.lora.installed(), torch.no_grad():
-            self.fwd(self.prompt, torch.zeros(batch, dtype=torch.long), CONTEXT, keep=1, prefix=CONTEXT)
+        self.cfwd = None
+        if compiled:
+            self.cfwd = CompiledForward(self.inner, state.buckets, self.lora.bank, batch, CONTEXT + 8,
+                                        self.prompt.device, "inductor", range(1, 4))
+            self.cfwd.set_rows(self.rows)
+        for fwd in (self.fwd, self.cfwd) if compiled else (self.fwd,):
+            mask = torch.ones_like(self.prompt)
+            fwd.layout.load(list(range(batch)), mask, (mask.cumsum(-1) - 1), [CONTEXT + 6] * batch)
+            with self.lora.installed(), torch.no_grad():
+                fwd(self.prompt, torch.zeros(batch, dtype=torch.long), CONTEXT, keep=1, prefix=CONTEXT)
         self.stock_cache = self._stock_prefill(adapters=True)
         self.base_cache = self._stock_prefill(adapters=False)
         self.hidden = torch.randn(batch, 1, self.inner.config.get_text_config().hidden_size)
@@ -85,9 +94,9 @@ class Setup:
                     self.inner(input_ids=self.prompt, cache=cache, use_cache=True, logits_to_keep=1)
         return cache
 
-    def ours(self, lora_on: bool, q: int):
-        ids = self.next[:, :q]
-        return lambda: self.fwd(ids, self.start, CONTEXT + q, keep=q, lora_on=lora_on)
+    def ours(self, lora_on: bool, q: int, compiled: bool = False):
+        ids, fwd = self.next[:, :q], self.cfwd if compiled else self.fwd
+        return lambda: fwd(ids, self.start, CONTEXT + q, keep=q, lora_on=lora_on)
 
     def drafted(self, name: str):
         """(context, step): a draft pass with one of the cheaper drafters."""
@@ -119,17 +128,17 @@ class Setup:
 
 
 def timed(steps: dict, repeats: int) -> dict:
-    """Median seconds per call of each step {name: (context, step)}, interleaved (one warm-up
-    round); the context (our LoRA switch installed, PEFT's adapters disabled) is not timed."""
+    """(median seconds per call of each step {name: (context, step)}, interleaved after one warm-up
+    round; seconds of each step's warm-up call). The context (our LoRA switch installed, PEFT's
+    adapters disabled) is not timed."""
     times = {k: [] for k in steps}
     for rep in range(repeats + 1):
         for name, (context, fn) in steps.items():
             with context(), torch.no_grad():
                 t = time.perf_counter()
                 fn()
-                if rep:
-                    times[name].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+                times[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v[1:]) for k, v in times.items()}, {k: v[0] for k, v in times.items()}
 
 
 def main(argv=None):
@@ -140,6 +149,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--compiled", action="store_true", help="also time the compiled passes (compile=True)")
     p.add_argument("--out", default="benchmarks/results/step.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -150,28 +160,38 @@ def main(argv=None):
     results = []
     print(f"{args.model}: {len(names)} adapters; CPU {machine()}, "
           f"{torch.get_num_threads()} threads; ms per step, medians of {args.repeats}")
+    compiled = ["draft_c", "lora_c", "verify3_c"] if args.compiled else []
     print("| batch | adapters | base step | draft pass | draft, vocab | draft, bf16 | LoRA-on step (x base) | "
-          "bound (x base) | LoRA-on / bound | stock PEFT step | verify 3 tokens | lm_head |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "bound (x base) | LoRA-on / bound | stock PEFT step | verify 3 tokens | lm_head |"
+          + (" compiled: draft / LoRA-on / verify 3 (x eager) | compile s |" if compiled else ""))
+    print("|---" * (12 + 2 * bool(compiled)) + "|")
     for batch in args.batches:
         for a in args.adapters:
             if a > batch or a > len(names):
                 continue
-            s = Setup(model, names[:a], batch, vocab, draft_vocab)
+            s = Setup(model, names[:a], batch, vocab, draft_vocab, args.compiled)
             active = set(s.rows)
             bound = (weights + sum(adapter_bytes(model, n) for n in active)) / weights
             ours, off, plain = s.lora.installed, model.disable_adapter, contextlib.nullcontext
-            t = timed({"base": (off, s.stock(False)), "draft": (ours, s.ours(False, 1)), "lora": (ours, s.ours(True, 1)),
-                       "stock": (plain, s.stock(True)), "verify3": (ours, s.ours(True, 3)),
-                       "lm_head": (plain, s.lm_head()), "draft_vocab": s.drafted("draft_vocab"),
-                       "draft_bf16": s.drafted("draft_bf16")}, args.repeats)
+            steps = {"base": (off, s.stock(False)), "draft": (ours, s.ours(False, 1)), "lora": (ours, s.ours(True, 1)),
+                     "stock": (plain, s.stock(True)), "verify3": (ours, s.ours(True, 3)),
+                     "lm_head": (plain, s.lm_head()), "draft_vocab": s.drafted("draft_vocab"),
+                     "draft_bf16": s.drafted("draft_bf16")}
+            for name, (lora_on, q) in zip(compiled, [(False, 1), (True, 1), (True, 3)]):
+                steps[name] = (ours, s.ours(lora_on, q, compiled=True))
+            t, first = timed(steps, args.repeats)
             state_of(model).owner = None
             r = dict(batch=batch, adapters=a, bound=bound, **{k: 1000 * v for k, v in t.items()})
+            if compiled:
+                r["compile_s"] = {k: first[k] - t[k] for k in compiled}
             results.append(r)
+            extra = " {:.1f} ({:.2f}x) / {:.1f} ({:.2f}x) / {:.1f} ({:.2f}x) | {} |".format(
+                *(v for k in compiled for v in (r[k], r[k] / r[k[:-2]])),
+                " / ".join(f"{v:.0f}" for v in r["compile_s"].values())) if compiled else ""
             print(f"| {batch} | {a} | {r['base']:.1f} | {r['draft']:.1f} | {r['draft_vocab']:.1f} | {r['draft_bf16']:.1f} | "
                   f"{r['lora']:.1f} ({r['lora'] / r['base']:.2f}x) | "
                   f"{bound:.2f}x | {r['lora'] / r['base'] / bound:.2f} | {r['stock']:.1f} | {r['verify3']:.1f} | "
-                  f"{r['lm_head']:.1f} |", flush=True)
+                  f"{r['lm_head']:.1f} |" + extra, flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(command="python benchmarks/bench_step.py " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -46,13 +46,32 @@ class _Packed(NamedTuple):
     largest rank of the bank): A [in, n] (None for a layer in a group), B [n, out] (None for a
     group), the slot of each of the n columns, and a key for what the columns are (the slots'
     ranks; masks are cached by it). A group's: its layers' A side by side, and each layer's
-    columns {id(layer): slice}."""
+    columns {id(layer): slice}. A fixed pack (``AdapterBank.fix``) has its own width and a layer
+    in a group has its columns in the group's fixed pack as ``columns``."""
 
     A: torch.Tensor | None
     B: torch.Tensor | None
     col_slot: torch.Tensor
     key: tuple
-    columns: dict | None = None
+    columns: dict | slice | None = None
+
+
+def _fixed(buffer, value):
+    """``value`` in ``buffer`` if it has its shape (compiled passes keep reading the same tensor),
+    else ``value`` as the new buffer."""
+    if buffer is not None and buffer.shape == value.shape:
+        return buffer.copy_(value)
+    return value
+
+
+def _padded(A, B, col_slot, width: int, buffers):
+    """A [in, n], B [n, out], col_slot [n] padded to ``width`` columns (zero weights; slot -2, which
+    no token has), in ``buffers`` (a previous fixed pack) where shapes allow."""
+    pad = width - col_slot.shape[0]
+    A = None if A is None else _fixed(buffers and buffers.A, torch.nn.functional.pad(A, (0, pad)))
+    B = None if B is None else _fixed(buffers and buffers.B, torch.nn.functional.pad(B, (0, 0, 0, pad)))
+    col_slot = _fixed(buffers and buffers.col_slot, torch.nn.functional.pad(col_slot, (0, pad), value=-2))
+    return A, B, col_slot
 
 
 class _Packs:
@@ -94,6 +113,7 @@ class _Layer:
         self.ranks = [ranks.get(a, 0) for a in names]  # per slot, 0 where absent
         self.packs = _Packs(self._pack)
         self.group, self.cols = None, (0, r_max)
+        self.fixed = None  # this layer's fixed pack (AdapterBank.fix)
         for slot, a in enumerate(names):
             if a in ranks:
                 self.write(slot, a)
@@ -104,7 +124,7 @@ class _Layer:
         ranks = [self.ranks[s] for s in slots]
         A = None if self.group is not None else torch.cat([self.A[s, :r].T for s, r in zip(slots, ranks)], dim=1)
         B = torch.cat([self.B[s, :, :r].T for s, r in zip(slots, ranks)])
-        col_slot = torch.tensor([s for s, r in zip(slots, ranks) for _ in range(r)], device=B.device)
+        col_slot = torch.tensor([s for s, r in zip(slots, ranks) for _ in range(r)], dtype=torch.long, device=B.device)
         return _Packed(A, B, col_slot, tuple(ranks))
 
     def _values(self, a):
@@ -150,6 +170,7 @@ class _Group:
             start += r
         self.layers = layers
         self.packs = _Packs(self._pack)
+        self.fixed = None
         self.clear()
 
     def _pack(self, slots) -> "_Packed":
@@ -268,19 +289,48 @@ class AdapterBank:
         y = self._shared(group, x, meta, lambda: self.ops.lora_shrink(x2, group.A, meta))
         return y[..., layer.cols[0] : layer.cols[1]]
 
+    @torch.no_grad()
+    def fix(self, slots: tuple, adapters: int) -> None:
+        """Packs of the active ``slots`` for passes with static metadata (compiled passes): each
+        layer's packed weights padded to the width that any ``adapters`` of the bank's adapters fit
+        in (the sum of its largest ``adapters`` ranks), so a compiled pass keeps its shapes for
+        any set of that many adapters; written into the last call's tensors where the widths agree."""
+        def width(layer):
+            return -(-max(1, sum(sorted(layer.ranks, reverse=True)[:adapters])) // 8) * 8
+
+        for layer in self.layers.values():
+            p = layer.packs.get(slots)
+            layer.fixed = _Packed(*_padded(p.A, p.B, p.col_slot, width(layer), layer.fixed), p.key)
+        for group in self.groups:
+            p, parts, start = group.packs.get(slots), [], 0
+            for layer in group.layers:
+                cols = p.columns[id(layer)]
+                A, _, col_slot = _padded(p.A[:, cols], None, p.col_slot[cols], width(layer), None)
+                layer.fixed = layer.fixed._replace(columns=slice(start, start + len(col_slot)))
+                start += len(col_slot)
+                parts.append((A, col_slot))
+            A = _fixed(group.fixed and group.fixed.A, torch.cat([A for A, _ in parts], dim=1))
+            col_slot = _fixed(group.fixed and group.fixed.col_slot, torch.cat([c for _, c in parts]))
+            group.fixed = _Packed(A, None, col_slot, p.key)
+
     def _packed_delta(self, layer, x, x2, out, meta) -> None:
         """out += each token's LoRA delta from the active slots' packed weights (see _Packed):
         y = (x @ A) masked to the columns of the token's own slot; out += y @ B. Three ops per layer
         whatever the number of adapters, and each active adapter's weights read once at its rank.
-        Its arithmetic grows with tokens x active ranks: for the few tokens of decode steps."""
-        slots, group = meta.active_slots, layer.group
-        own = layer.packs.get(slots)
+        Its arithmetic grows with tokens x active ranks: for the few tokens of decode steps.
+        Static metadata (a compiled pass): the fixed packs of ``fix``."""
+        group = layer.group
+        if meta.static:
+            own, packed = layer.fixed, group and group.fixed
+            columns = own.columns
+        else:
+            own, packed = layer.packs.get(meta.active_slots), group and group.packs.get(meta.active_slots)
+            columns = packed and packed.columns[id(layer)]
         B = own.B
         if group is None:
             y = self._packed_shrink(x2, own, meta)
         else:
-            packed = group.packs.get(slots)
-            y = self._shared(group, x, meta, lambda: self._packed_shrink(x2, packed, meta))[:, packed.columns[id(layer)]]
+            y = self._shared(group, x, meta, lambda: self._packed_shrink(x2, packed, meta))[:, columns]
         if self.round_delta or out.dtype == B.dtype:
             out.addmm_(y, B) if out.dtype == B.dtype else out.add_((y @ B).to(out.dtype))
         else:  # PEFT's one-adapter numerics: the sum in the adapter's dtype (rows without LoRA add an exact 0)
@@ -290,6 +340,8 @@ class AdapterBank:
     def _packed_shrink(x, packed, meta):
         """x @ packed.A, each token's row zero outside its own slot's columns."""
         y = x @ packed.A
+        if meta.static:  # computed in the graph: its inputs are updated in place between calls
+            return y * (meta.token_slots[:, None] == packed.col_slot).to(y.dtype)
         if len(meta.active_slots) == 1 and meta.lora_range == (0, y.shape[0]):
             return y  # every token on the one active slot
         key = (packed.key, y.dtype)
@@ -368,8 +420,8 @@ class AdapterBank:
         if meta is None or meta.no_lora:
             return out
         x2 = x2 if x2.dtype == self.dtype else x2.to(self.dtype)
-        if self.ops is kernels.torch_lora and not meta.static and \
-                x2.shape[0] * (len(meta.active_slots) - 1) <= PACKED_WASTE:
+        if self.ops is kernels.torch_lora and \
+                (meta.static or x2.shape[0] * (len(meta.active_slots) - 1) <= PACKED_WASTE):
             self._packed_delta(layer, x, x2, out.view(-1, out.shape[-1]), meta)
         else:
             y = self._shrink(layer, x, x2, meta)

@@ -20,7 +20,9 @@ compiles it once per bucket:
 - the cache length padded to a bucket (powers of two from 64, then multiples of 1024), and every
   pass attends over all of it (the masks hide what a row may not see);
 - adapter metadata of fixed size (``kernels.make_meta(static=True)``), masks and position ids in
-  per-bucket buffers updated in place.
+  per-bucket buffers updated in place; on the torch path (the CPU) the active adapters' weights
+  packed side by side at widths rounded up to powers of two (``AdapterBank.fix``), so a step
+  reads only the adapters its rows use, as the eager packed path does.
 
 A bucket's state (cache, buffers, compiled passes) lives on the model, so later calls with the
 same bucket reuse it without compiling. Pass kinds: draft (LoRA off, 1 token per row), plain
@@ -99,6 +101,11 @@ def row_bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length() if rows <= 64 else -(-rows // 64) * 64
 
 
+def adapter_bucket(adapters: int, bank: int) -> int:
+    """Distinct adapters a compiled LoRA pass is built for: powers of two, at most the bank's."""
+    return min(1 << max(adapters - 1, 0).bit_length(), bank)
+
+
 def length_bucket(length: int) -> int:
     return max(64, 1 << (length - 1).bit_length()) if length <= 1024 else -(-length // 1024) * 1024
 
@@ -112,7 +119,7 @@ class Bucket:
         self.ids = {}  # q -> [rows, q] input buffer
         self.inputs = {}  # q -> (masks, position_ids) buffers
         self.metas = {}  # q -> static LoraMeta whose tensors are updated in place
-        self.passes = {}  # (q, lora_on) -> callable
+        self.passes = {}  # (q, lora_on, adapter bucket of the torch path's fixed packs) -> callable
         self.bank_version = None  # CUDA graphs hold the bank's tensors by address: recapture on change
         self.pool = None  # one CUDA graph memory pool per bucket: passes run one at a time
 
@@ -153,11 +160,17 @@ class CompiledForward:
         self.layout = RowLayout(model, self.rows, self.length, device)
         self.row_slots = torch.full((self.rows,), -1, dtype=torch.long, device=device)
         self.fresh_metas = set()  # q whose metadata buffers hold the current rows
+        self.adapters = None  # the rows' adapter bucket (torch path)
 
     def set_rows(self, names) -> None:
         self.row_slots = torch.full_like(self.row_slots, -1)
         self.row_slots[: len(names)] = self.bank.slots([a or BASE for a in names])
         self.fresh_metas = set()
+        self.adapters = None
+        if self.bank.ops is kernels.torch_lora:  # the packed path: the active adapters' weights at fixed widths
+            active = tuple(sorted({s for s in self.row_slots.tolist() if s >= 0}))
+            self.adapters = adapter_bucket(len(active), len(self.bank.adapter_names))
+            self.bank.fix(active or (0,), self.adapters)  # no adapter at all: any pack will do, no token selects it
 
     def __call__(self, ids, start, kv_len: int, keep: int, lora_on: bool = True, prefix=None, rows=None):
         b, q = ids.shape
@@ -180,9 +193,10 @@ class CompiledForward:
             _copy_into(state.inputs[q][0], masks)
             state.inputs[q][1].copy_(position_ids)
         self.bank.set_meta({self.rows * q: self._meta(q)} if lora_on else None)
-        fn = state.passes.get((q, lora_on))
+        key = (q, lora_on, self.adapters if lora_on else None)
+        fn = state.passes.get(key)
         if fn is None:
-            return self._build(q, lora_on)[:b, q - keep:]
+            return self._build(q, lora_on, key)[:b, q - keep:]
         return fn()[:b, q - keep:]
 
     def _static_meta(self, q: int):
@@ -201,9 +215,11 @@ class CompiledForward:
             self.fresh_metas.add(q)
         return meta
 
-    def _build(self, q: int, lora_on: bool):
-        """Compile or capture the (q, lora_on) pass, run it once for this step; returns its logits."""
+    def _build(self, q: int, lora_on: bool, key):
+        """Compile or capture the pass ``key`` (see Bucket.passes), run it once for this step; returns its logits."""
         state, kind = self.state, ("verify" if q > 1 else "plain") if lora_on else "draft"
+        if lora_on and self.adapters:
+            kind += f"_a{self.adapters}"
         masks, position_ids = state.inputs[q]
         args = (self.model, self.cache, masks, position_ids, state.ids[q], state.start, self.length, q)
         t = time.perf_counter()
@@ -213,7 +229,7 @@ class CompiledForward:
             out = call()
         else:
             call, out = _capture(lambda: model_pass(*args), state)
-        state.passes[(q, lora_on)] = call
+        state.passes[key] = call
         self.builds += 1
         logger.info("hf_invisiblelora: %s %s pass (%d rows, %d cache slots, %d tokens/row) in %.1f s",
                     "compiled" if self.backend == "inductor" else "captured", kind, self.rows, self.length, q,

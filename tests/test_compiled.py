@@ -70,7 +70,21 @@ def test_compiled_passes_follow_adapter_changes(model):
             m.set_scale("b", 1.0)
 
 
+def test_adapter_buckets_compile_once_each(model):
+    """LoRA passes are built per adapter bucket (1, 2, 4, ... distinct adapters): a call with another
+    bucket compiles its own, going back to an earlier one compiles nothing, every call as stock."""
+    ids, mask = prompts([4, 6])  # a bucket of 2 rows, which no other test here uses
+    kw = dict(invisible_lora=True, gate="never", compile=True)
+    seen = []
+    for names in (["a", "a"], ["a", "b"], ["b", "b"], ["c", "d"]):
+        before = graphs_compiled()
+        assert torch.equal(generate(model, ids, mask, names, **kw), generate(model, ids, mask, names))
+        seen.append(graphs_compiled() - before)
+    assert seen == [1, 1, 0, 0], seen
+
+
 def test_buckets():
+    assert [compiled.adapter_bucket(n, 14) for n in (0, 1, 2, 3, 5, 8, 9, 14)] == [1, 1, 2, 4, 8, 8, 14, 14]
     assert [compiled.row_bucket(b) for b in (1, 2, 3, 5, 8, 9, 64, 65, 130)] == [1, 2, 4, 8, 8, 16, 64, 128, 192]
     assert [compiled.length_bucket(n) for n in (1, 64, 65, 1024, 1025)] == [64, 64, 128, 1024, 2048]
 
