@@ -290,13 +290,14 @@ class AdapterBank:
         return y[..., layer.cols[0] : layer.cols[1]]
 
     @torch.no_grad()
-    def fix(self, slots: tuple, adapters: int) -> None:
+    def fix(self, slots: tuple, adapters: int, rank: int) -> None:
         """Packs of the active ``slots`` for passes with static metadata (compiled passes): each
-        layer's packed weights padded to the width that any ``adapters`` of the bank's adapters fit
-        in (the sum of its largest ``adapters`` ranks), so a compiled pass keeps its shapes for
-        any set of that many adapters; written into the last call's tensors where the widths agree."""
+        layer's packed weights padded to the width that any ``adapters`` adapters of rank <= ``rank``
+        fit in (at most the sum of the layer's largest ``adapters`` ranks), so a compiled pass keeps
+        its shapes for any such set; written into the last call's tensors where the widths agree."""
         def width(layer):
-            return -(-max(1, sum(sorted(layer.ranks, reverse=True)[:adapters])) // 8) * 8
+            most = min(adapters * rank, sum(sorted(layer.ranks, reverse=True)[:adapters]))
+            return -(-max(1, most) // 8) * 8
 
         for layer in self.layers.values():
             p = layer.packs.get(slots)
@@ -349,6 +350,10 @@ class AdapterBank:
         if mask is None:
             mask = meta.masks[key] = (meta.token_slots[:, None] == packed.col_slot).to(y.dtype)
         return y.mul_(mask)
+
+    def max_rank(self, slots) -> int:
+        """The largest rank of these slots' adapters over all layers."""
+        return max((layer.ranks[s] for layer in self.layers.values() for s in slots), default=0)
 
     def slots(self, adapter_names) -> torch.LongTensor:
         """[B] slot of each row's adapter; "__base__" -> -1 (no LoRA). Names are validated by the caller."""

@@ -20,9 +20,12 @@ compiles it once per bucket:
 - the cache length padded to a bucket (powers of two from 64, then multiples of 1024), and every
   pass attends over all of it (the masks hide what a row may not see);
 - adapter metadata of fixed size (``kernels.make_meta(static=True)``), masks and position ids in
-  per-bucket buffers updated in place; on the torch path (the CPU) the active adapters' weights
-  packed side by side at widths rounded up to powers of two (``AdapterBank.fix``), so a step
-  reads only the adapters its rows use, as the eager packed path does.
+  per-bucket buffers updated in place;
+- on the torch path (the CPU), the active adapters' weights side by side (``AdapterBank.fix``), as
+  the eager packed path has them, padded to what any set of as many adapters of as high a rank
+  needs: LoRA passes are built per adapter bucket (1, 2, 4, ... distinct adapters, at most the
+  bank's) and rank bucket (the largest active rank, rounded up to a power of two), as vLLM sizes
+  its LoRA buffers by max_loras x max_lora_rank.
 
 A bucket's state (cache, buffers, compiled passes) lives on the model, so later calls with the
 same bucket reuse it without compiling. Pass kinds: draft (LoRA off, 1 token per row), plain
@@ -101,9 +104,14 @@ def row_bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length() if rows <= 64 else -(-rows // 64) * 64
 
 
+def power_of_two(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def adapter_bucket(adapters: int, bank: int) -> int:
     """Distinct adapters a compiled LoRA pass is built for: powers of two, at most the bank's."""
-    return min(1 << max(adapters - 1, 0).bit_length(), bank)
+    return min(power_of_two(adapters), bank)
 
 
 def length_bucket(length: int) -> int:
@@ -119,7 +127,7 @@ class Bucket:
         self.ids = {}  # q -> [rows, q] input buffer
         self.inputs = {}  # q -> (masks, position_ids) buffers
         self.metas = {}  # q -> static LoraMeta whose tensors are updated in place
-        self.passes = {}  # (q, lora_on, adapter bucket of the torch path's fixed packs) -> callable
+        self.passes = {}  # (q, lora_on, (adapter bucket, rank bucket) of the torch path's packs) -> callable
         self.bank_version = None  # CUDA graphs hold the bank's tensors by address: recapture on change
         self.pool = None  # one CUDA graph memory pool per bucket: passes run one at a time
 
@@ -160,7 +168,7 @@ class CompiledForward:
         self.layout = RowLayout(model, self.rows, self.length, device)
         self.row_slots = torch.full((self.rows,), -1, dtype=torch.long, device=device)
         self.fresh_metas = set()  # q whose metadata buffers hold the current rows
-        self.adapters = None  # the rows' adapter bucket (torch path)
+        self.adapters = None  # the rows' (adapter bucket, rank bucket) (torch path)
 
     def set_rows(self, names) -> None:
         self.row_slots = torch.full_like(self.row_slots, -1)
@@ -168,9 +176,10 @@ class CompiledForward:
         self.fresh_metas = set()
         self.adapters = None
         if self.bank.ops is kernels.torch_lora:  # the packed path: the active adapters' weights at fixed widths
-            active = tuple(sorted({s for s in self.row_slots.tolist() if s >= 0}))
-            self.adapters = adapter_bucket(len(active), len(self.bank.adapter_names))
-            self.bank.fix(active or (0,), self.adapters)  # no adapter at all: any pack will do, no token selects it
+            active = tuple(sorted({s for s in self.row_slots.tolist() if s >= 0})) or (0,)  # none: any, unused
+            self.adapters = adapter_bucket(len(active), len(self.bank.adapter_names)), \
+                power_of_two(self.bank.max_rank(active))
+            self.bank.fix(active, *self.adapters)
 
     def __call__(self, ids, start, kv_len: int, keep: int, lora_on: bool = True, prefix=None, rows=None):
         b, q = ids.shape
@@ -219,7 +228,7 @@ class CompiledForward:
         """Compile or capture the pass ``key`` (see Bucket.passes), run it once for this step; returns its logits."""
         state, kind = self.state, ("verify" if q > 1 else "plain") if lora_on else "draft"
         if lora_on and self.adapters:
-            kind += f"_a{self.adapters}"
+            kind += "_a{}r{}".format(*self.adapters)
         masks, position_ids = state.inputs[q]
         args = (self.model, self.cache, masks, position_ids, state.ids[q], state.start, self.length, q)
         t = time.perf_counter()

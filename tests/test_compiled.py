@@ -71,12 +71,14 @@ def test_compiled_passes_follow_adapter_changes(model):
 
 
 def test_adapter_buckets_compile_once_each(model):
-    """LoRA passes are built per adapter bucket (1, 2, 4, ... distinct adapters): a call with another
-    bucket compiles its own, going back to an earlier one compiles nothing, every call as stock."""
+    """LoRA passes are built per adapter bucket (1, 2, 4, ... distinct adapters) and rank bucket (the
+    largest rank, rounded up to a power of two): a call in another compiles its own, a call in one
+    built before (other adapters, other rows) compiles nothing, every call as stock. Ranks: a 4,
+    b 8, c 2."""
     ids, mask = prompts([4, 6])  # a bucket of 2 rows, which no other test here uses
     kw = dict(invisible_lora=True, gate="never", compile=True)
     seen = []
-    for names in (["a", "a"], ["a", "b"], ["b", "b"], ["c", "d"]):
+    for names in (["a", "a"], ["b", "c"], ["a", "__base__"], ["c", "b"]):
         before = graphs_compiled()
         assert torch.equal(generate(model, ids, mask, names, **kw), generate(model, ids, mask, names))
         seen.append(graphs_compiled() - before)
