@@ -4,10 +4,10 @@
 ``invisible_lora=True``; ``hf_invisiblelora.generate(model, ...)`` does the same without the flag.
 """
 
-from .api import InvisibleLoRAOutput, generate, install
+from .api import InvisibleLoRAOutput, generate, install, warm_up
 from .state import state_of
 from .stats import DecodingStats
 
 install()
 
-__all__ = ["generate", "install", "state_of", "DecodingStats", "InvisibleLoRAOutput"]
+__all__ = ["generate", "install", "warm_up", "state_of", "DecodingStats", "InvisibleLoRAOutput"]

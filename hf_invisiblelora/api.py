@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +22,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria, Stoppi
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .adapters import SWITCHES
+from .bank import get_bank
 from .checks import BASE, check_call, check_compile, check_model, check_options, resolve_adapter_names
 from .decoding import Decoder
 from .drafter import Drafter, observe as observe_tokens, vocabulary as drafter_vocabulary
@@ -32,6 +35,7 @@ from .rotary import Recompute, StepRotary, length_dependent, recompute_slot
 from .state import state_of
 from .stats import DecodingStats
 
+logger = logging.getLogger("hf_invisiblelora")
 OPTIONS = ("num_draft_tokens", "gate", "lora_backend", "generator", "compile", "draft_vocab", "draft_dtype")  # generate() keywords that only InvisibleLoRA reads
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer")
 
@@ -56,9 +60,9 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     generator: a ``torch.Generator`` for sampling (default: torch's global RNG).
     compile: "auto" (CUDA graphs on CUDA; eager on the CPU, where compiling costs minutes), True
         (torch.compile on the CPU, CUDA graphs on CUDA) or False. Compiled passes have fixed shapes
-        (rows and cache length padded to buckets) and are kept on the model for later calls; the
-        first call of a bucket pays the compilation (logged at INFO). ``state_of(model).clear()``
-        drops them.
+        (rows, cache length, distinct adapters and their largest rank padded to buckets) and are
+        kept on the model for later calls; the first call of a bucket pays the compilation (logged
+        at INFO), or ``warm_up`` ahead of it. ``state_of(model).clear()`` drops them.
     draft_vocab: the drafter's head restricted to this many of the most frequent tokens seen in the
         model's prompts and outputs (plus the prompts' tokens), or to a list of token ids (drafter.py).
     draft_dtype: the drafter's linear layers in this dtype (torch.bfloat16: fast where the CPU has
@@ -195,6 +199,35 @@ def _move_stop_strings(model, kwargs, tokenizer) -> None:
     criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
     criteria.append(StopStringCriteria(tokenizer, stop))
     kwargs["stopping_criteria"] = criteria
+
+
+def warm_up(model, adapter_names, batch_size: int, max_length: int, num_draft_tokens: int = 4) -> float:
+    """Compile ahead of serving (``compile=True``) every pass that calls of ``batch_size`` rows, up to
+    ``max_length`` tokens per row (prompt + new tokens + drafts), with ``adapter_names`` can run:
+    draft, plain and verify of 2 .. num_draft_tokens + 1 tokens per row, in their buckets (rows,
+    cache length, distinct adapters, largest rank: the highest-rank of ``adapter_names`` are used).
+    Later calls in those buckets compile nothing. Returns the seconds it took (also logged)."""
+    names = list(dict.fromkeys(adapter_names))
+    bank = get_bank(model, adapters=())
+    index = {a: i for i, a in enumerate(bank.adapter_names)}
+    names.sort(key=lambda a: -bank.max_rank([index[a]]) if a in index else 0)
+    rows = [names[i % len(names)] for i in range(batch_size)]
+    t = time.perf_counter()
+    # One call per draft count k: its first cycle drafts k and verifies k + 1 tokens; gate "never" the plain pass.
+    for k in range(num_draft_tokens, -1, -1):
+        new = k + 2
+        prompt = max_length - new - num_draft_tokens - 1
+        if prompt < 1:
+            raise ValueError(f"max_length {max_length} leaves no room for a prompt: it counts the prompt, the new "
+                             f"tokens and {num_draft_tokens + 1} draft slots.")
+        ids = torch.ones(batch_size, prompt, dtype=torch.long, device=model.device)
+        generate(model, ids, attention_mask=torch.ones_like(ids), adapter_names=rows, max_new_tokens=new,
+                 min_new_tokens=new, do_sample=False, gate="always" if k else "never",
+                 num_draft_tokens=num_draft_tokens, compile=True)
+    seconds = time.perf_counter() - t
+    logger.info("hf_invisiblelora: warmed up %d rows x %d tokens, %d adapters, in %.1f s",
+                batch_size, max_length, len(set(rows)), seconds)
+    return seconds
 
 
 def install() -> None:

@@ -25,7 +25,8 @@ compiles it once per bucket:
   the eager packed path has them, padded to what any set of as many adapters of as high a rank
   needs: LoRA passes are built per adapter bucket (1, 2, 4, ... distinct adapters, at most the
   bank's) and rank bucket (the largest active rank, rounded up to a power of two), as vLLM sizes
-  its LoRA buffers by max_loras x max_lora_rank.
+  its LoRA buffers by max_loras x max_lora_rank; a call uses the smallest buckets already built
+  that cover its adapters (``warm_up`` builds them ahead).
 
 A bucket's state (cache, buffers, compiled passes) lives on the model, so later calls with the
 same bucket reuse it without compiling. Pass kinds: draft (LoRA off, 1 token per row), plain
@@ -47,7 +48,7 @@ import torch
 from . import kernels
 from .cache import SharedCache, model_pass
 from .checks import BASE
-from .layout import RowLayout
+from .layout import RowLayout, grouped_kv
 
 logger = logging.getLogger("hf_invisiblelora")
 COMPILE_OPTIONS = ("auto", True, False)
@@ -72,7 +73,8 @@ class EagerForward:
         if self.drafter is not None:
             self.drafter.active = not lora_on
         masks, position_ids = self.layout.begin_pass(start, ids.shape[1], kv_len, prefix, rows)
-        return model_pass(self.model, self.cache, masks, position_ids, ids, start, kv_len, keep, rows)
+        with grouped_kv():
+            return model_pass(self.model, self.cache, masks, position_ids, ids, start, kv_len, keep, rows)
 
 
 def backend_for(option, device: torch.device, dtype: torch.dtype, lora_backend: str) -> str | None:
@@ -177,8 +179,10 @@ class CompiledForward:
         self.adapters = None
         if self.bank.ops is kernels.torch_lora:  # the packed path: the active adapters' weights at fixed widths
             active = tuple(sorted({s for s in self.row_slots.tolist() if s >= 0})) or (0,)  # none: any, unused
-            self.adapters = adapter_bucket(len(active), len(self.bank.adapter_names)), \
-                power_of_two(self.bank.max_rank(active))
+            need = adapter_bucket(len(active), len(self.bank.adapter_names)), power_of_two(self.bank.max_rank(active))
+            # Passes built for as many adapters or more, of as high a rank or higher, serve these too.
+            covering = [key[2] for key in self.state.passes if key[1] and key[2][0] >= need[0] and key[2][1] >= need[1]]
+            self.adapters = min(covering, key=lambda ar: ar[0] * ar[1], default=need)
             self.bank.fix(active, *self.adapters)
 
     def __call__(self, ids, start, kv_len: int, keep: int, lora_on: bool = True, prefix=None, rows=None):
@@ -189,7 +193,8 @@ class CompiledForward:
             rows = torch.arange(b, device=ids.device) if rows is None else rows
             self.bank.set_batch(self.row_slots[rows] if lora_on else None)
             masks, position_ids = self.layout.begin_pass(start, q, kv_len, prefix, rows)
-            return model_pass(self.model, self.cache, masks, position_ids, ids, start, kv_len, keep, rows)
+            with grouped_kv():
+                return model_pass(self.model, self.cache, masks, position_ids, ids, start, kv_len, keep, rows)
         # Rows 0..b-1 (the others ride along on what their buffers hold) over the whole bucket.
         if q not in state.ids:
             state.ids[q] = ids.new_zeros(self.rows, q)
@@ -204,9 +209,8 @@ class CompiledForward:
         self.bank.set_meta({self.rows * q: self._meta(q)} if lora_on else None)
         key = (q, lora_on, self.adapters if lora_on else None)
         fn = state.passes.get(key)
-        if fn is None:
-            return self._build(q, lora_on, key)[:b, q - keep:]
-        return fn()[:b, q - keep:]
+        with grouped_kv():
+            return (fn() if fn is not None else self._build(q, lora_on, key))[:b, q - keep:]
 
     def _static_meta(self, q: int):
         return kernels.make_meta(self.bank.token_slots(self.row_slots, q), len(self.bank.adapter_names), static=True)

@@ -85,6 +85,25 @@ def test_adapter_buckets_compile_once_each(model):
     assert seen == [1, 1, 0, 0], seen
 
 
+def test_warm_up_builds_every_pass_of_its_buckets(model):
+    """After warm_up, calls in its buckets (other prompts, adapters of no higher rank, the gate's
+    own choices) compile nothing and decode as stock."""
+    from hf_invisiblelora import warm_up
+
+    state_of(model).buckets.clear()
+    before = graphs_compiled()
+    warm_up(model, ["a", "b"], batch_size=3, max_length=20, num_draft_tokens=2)
+    assert graphs_compiled() - before == 4  # draft, plain, verify of 2 and 3 tokens
+    (bucket,) = state_of(model).buckets.values()
+    assert sorted(bucket.passes) == [(1, False, None), (1, True, (2, 8)), (2, True, (2, 8)), (3, True, (2, 8))]
+    before = graphs_compiled()
+    ids, mask = prompts([3, 5, 4], seed=2)
+    for names, gate in ((["b", "c", "b"], "always"), (["a", "a", "c"], "auto")):
+        out = generate(model, ids, mask, names, invisible_lora=True, gate=gate, num_draft_tokens=2, compile=True)
+        assert torch.equal(out, generate(model, ids, mask, names))
+    assert graphs_compiled() == before
+
+
 def test_buckets():
     assert [compiled.adapter_bucket(n, 14) for n in (0, 1, 2, 3, 5, 8, 9, 14)] == [1, 1, 2, 4, 8, 8, 14, 14]
     assert [compiled.row_bucket(b) for b in (1, 2, 3, 5, 8, 9, 64, 65, 130)] == [1, 2, 4, 8, 8, 16, 64, 128, 192]

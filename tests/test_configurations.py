@@ -339,3 +339,39 @@ def test_alibi_models_are_refused():
     ids, mask = prompts([3, 5])
     with pytest.raises(ValueError, match="ALiBi"):
         ours(model, ids, mask, names=["a", "a"], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_sdpa_grouped_heads_give_the_same_bits(dtype):
+    """Our passes ask SDPA to read grouped KV heads in place (layout.grouped_kv) where Transformers
+    would copy them with repeat_kv: on the CPU both give the same bits, masked rows included."""
+    g = torch.Generator().manual_seed(0)
+    for b, heads, groups, q, n in ((16, 9, 3, 1, 128), (3, 8, 2, 4, 37), (1, 4, 1, 6, 300), (2, 6, 3, 64, 64)):
+        Q = torch.randn(b, heads, q, 64, generator=g).to(dtype)
+        K, V = (torch.randn(b, groups, n, 64, generator=g).to(dtype) for _ in range(2))
+        mask = torch.rand(b, 1, q, n, generator=g) > 0.4
+        mask[0, :, 0] = False  # a row that sees nothing (padding rows of a compiled bucket)
+        rep = heads // groups
+        copied = torch.nn.functional.scaled_dot_product_attention(
+            Q, K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1), attn_mask=mask)
+        grouped = torch.nn.functional.scaled_dot_product_attention(Q, K, V, attn_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(grouped, copied, rtol=0, atol=0, equal_nan=True)
+
+
+def test_our_passes_do_not_copy_kv_heads(monkeypatch):
+    """repeat_kv runs in stock decoding of a grouped-KV model, never in ours; outputs stay equal."""
+    from transformers.integrations import sdpa_attention
+
+    calls = []
+    repeat = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: calls.append(1) or repeat(*a))
+    model = tiny_peft("llama", strength=0.6)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    assert model.config._attn_implementation == "sdpa"
+    ids, mask = prompts(LENGTHS)
+    expected = stock(model, ids, mask, max_new_tokens=8)
+    assert calls
+    calls.clear()
+    out = stock(model, ids, mask, max_new_tokens=8, invisible_lora=True, gate="always", num_draft_tokens=2)
+    assert not calls
+    assert torch.equal(out, expected)
