@@ -26,7 +26,7 @@ from .bank import get_bank
 from .checks import BASE, check_call, check_compile, check_model, check_options, resolve_adapter_names
 from .decoding import Decoder
 from .drafter import Drafter, observe as observe_tokens, vocabulary as drafter_vocabulary
-from .forward import CompiledForward, EagerForward, backend_for
+from .forward import CompiledForward, EagerForward, backend_for, warmed
 from .gate import Gate
 from .layout import prompt_positions
 from .policies import GeneratePolicy
@@ -58,7 +58,8 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     lora_backend: "bank" (batched kernels over all adapters, default) or "peft" (PEFT's own
         per-adapter loop, the reference).
     generator: a ``torch.Generator`` for sampling (default: torch's global RNG).
-    compile: "auto" (CUDA graphs on CUDA; eager on the CPU, where compiling costs minutes), True
+    compile: "auto" (CUDA graphs on CUDA; on the CPU, where compiling costs minutes, the compiled
+        passes of buckets ``warm_up`` built, eager otherwise), True
         (torch.compile on the CPU, CUDA graphs on CUDA) or False. Compiled passes have fixed shapes
         (rows, cache length, distinct adapters and their largest rank padded to buckets) and are
         kept on the model for later calls; the first call of a bucket pays the compilation (logged
@@ -74,9 +75,13 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     check_model(model)
     inner = model.get_base_model()
     compile_backend = backend_for(compile, model.device, model.dtype, lora_backend)
-    if compile == "auto" and any(length_dependent(m) for m in inner.modules()):
+    length_varying = any(length_dependent(m) for m in inner.modules())
+    if compile == "auto" and length_varying:
         compile_backend = None
     check_compile(compile_backend, inner)
+    # "auto" on the CPU: the compiled passes of a warmed-up bucket (warm_up), never a compilation.
+    warm_only = compile == "auto" and compile_backend is None and not length_varying and lora_backend == "bank" \
+        and model.device.type == "cpu"
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None or kwargs.get("inputs_embeds") is not None:
         raise ValueError("invisible_lora needs input_ids (inputs_embeds are not supported).")
@@ -112,17 +117,20 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         drafter = None if vocab is None and draft_dtype is None else \
             Drafter(inner, state, state.mine, None if vocab is None else torch.as_tensor(vocab), draft_dtype,
                     size=draft_vocab if isinstance(draft_vocab, int) else None)
-        if compile_backend is None:
+        widths = range(1, num_draft_tokens + 2)
+        backend = "inductor" if warm_only and drafter is None and warmed(
+            state.buckets, lora.bank, input_ids.device, inner.dtype, b, width, rows, widths, gate != "never") \
+            else compile_backend
+        if backend is None:
             fwd = EagerForward(inner, lora, b, width, input_ids.device, drafter)
         else:
-            fwd = CompiledForward(inner, state.buckets, lora.bank, b, width, input_ids.device, compile_backend,
-                                  range(1, num_draft_tokens + 2))
+            fwd = CompiledForward(inner, state.buckets, lora.bank, b, width, input_ids.device, backend, widths)
         pad_id = int(generation_config._pad_token_tensor) if generation_config._pad_token_tensor is not None else 0
         eos = generation_config._eos_token_tensor
         slot = recompute_slot(inner, prompt_len)
         decoder = Decoder(
             fwd, lora, GeneratePolicy(logits_processor, bool(generation_config.do_sample), generator),
-            Gate(gate, num_draft_tokens, state.gate, BASE, passes=compile_backend or "eager",
+            Gate(gate, num_draft_tokens, state.gate, BASE, passes=backend or "eager",
                  drafter=drafter.variant if drafter else ""),
             capacity=b, span=b, pad_id=pad_id, eos=None if eos is None else eos.reshape(-1).to(input_ids.device),
             criteria=split_criteria(stopping_criteria), freeze=eos is not None,  # as standard decoding pads finished rows
@@ -147,7 +155,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
                 streamer.end()
             if not generation_config.return_dict_in_generate:
                 return sequences
-            cache = _returned_cache(fwd, decoder.rows, sequences, inner.config, copy=compile_backend is not None)
+            cache = _returned_cache(fwd, decoder.rows, sequences, inner.config, copy=backend is not None)
         return InvisibleLoRAOutput(sequences=sequences, cache=cache, stats=stats)
 
     if state.mine():
@@ -206,7 +214,9 @@ def warm_up(model, adapter_names, batch_size: int, max_length: int, num_draft_to
     ``max_length`` tokens per row (prompt + new tokens + drafts), with ``adapter_names`` can run:
     draft, plain and verify of 2 .. num_draft_tokens + 1 tokens per row, in their buckets (rows,
     cache length, distinct adapters, largest rank: the highest-rank of ``adapter_names`` are used).
-    Later calls in those buckets compile nothing. Returns the seconds it took (also logged)."""
+    Later calls in those buckets compile nothing, and with ``compile="auto"`` (the default) calls on
+    the CPU that every pass of which is built take the compiled passes (other calls stay eager).
+    Returns the seconds it took (also logged)."""
     names = list(dict.fromkeys(adapter_names))
     bank = get_bank(model, adapters=())
     index = {a: i for i, a in enumerate(bank.adapter_names)}

@@ -116,6 +116,29 @@ def adapter_bucket(adapters: int, bank: int) -> int:
     return min(power_of_two(adapters), bank)
 
 
+def pack_buckets(bucket, bank, active) -> tuple:
+    """(adapter bucket, rank bucket) of LoRA passes for the ``active`` slots: the smallest pair
+    whose passes ``bucket`` already has that covers them (as many adapters or more, of as high a
+    rank or higher), else their own."""
+    need = adapter_bucket(len(active), len(bank.adapter_names)), power_of_two(bank.max_rank(active))
+    built = [key[2] for key in bucket.passes if key[1] and key[2][0] >= need[0] and key[2][1] >= need[1]]
+    return min(built, key=lambda ar: ar[0] * ar[1], default=need)
+
+
+def warmed(buckets: dict, bank, device, dtype, rows: int, width: int, names, widths: range, drafts: bool) -> bool:
+    """Whether compiled passes (``warm_up`` or earlier ``compile=True`` calls) exist for every pass a
+    call of ``rows`` rows of ``width`` slots with adapters ``names`` can run (LoRA-on passes of 1 to
+    K + 1 tokens and the draft pass; only the 1-token LoRA-on pass if it never ``drafts``):
+    ``compile="auto"`` on the CPU takes them then, and never compiles inside a call."""
+    bucket = buckets.get((device, dtype, row_bucket(rows), length_bucket(width)))
+    if bucket is None:
+        return False
+    active = tuple(sorted({s for s in bank.slots([a or BASE for a in names]).tolist() if s >= 0})) or (0,)
+    packs = pack_buckets(bucket, bank, active)
+    need = {(q, True, packs) for q in (widths if drafts else [1])} | ({(1, False, None)} if drafts else set())
+    return need <= set(bucket.passes)
+
+
 def length_bucket(length: int) -> int:
     return max(64, 1 << (length - 1).bit_length()) if length <= 1024 else -(-length // 1024) * 1024
 
@@ -179,10 +202,7 @@ class CompiledForward:
         self.adapters = None
         if self.bank.ops is kernels.torch_lora:  # the packed path: the active adapters' weights at fixed widths
             active = tuple(sorted({s for s in self.row_slots.tolist() if s >= 0})) or (0,)  # none: any, unused
-            need = adapter_bucket(len(active), len(self.bank.adapter_names)), power_of_two(self.bank.max_rank(active))
-            # Passes built for as many adapters or more, of as high a rank or higher, serve these too.
-            covering = [key[2] for key in self.state.passes if key[1] and key[2][0] >= need[0] and key[2][1] >= need[1]]
-            self.adapters = min(covering, key=lambda ar: ar[0] * ar[1], default=need)
+            self.adapters = pack_buckets(self.state, self.bank, active)
             self.bank.fix(active, *self.adapters)
 
     def __call__(self, ids, start, kv_len: int, keep: int, lora_on: bool = True, prefix=None, rows=None):

@@ -73,16 +73,9 @@ def _segment_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bounds: li
     return out
 
 
-# The same op, opaque to torch.compile: inductor cannot trace torch._grouped_mm for float32 on
-# the CPU (its meta function wants bfloat16), so compiled graphs call it as one external op.
-@torch.library.custom_op("hf_invisiblelora::segment_mm", mutates_args=())
-def segment_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return _segment_mm(a, w, offs)
-
-
-@segment_mm.register_fake
-def _(a, w, offs):
-    return a.new_empty(a.shape[0], w.shape[2])
+# Compiled passes on the CPU use the adapter bank's packed path with fixed-width packs (bank.py),
+# not these ops: static metadata is for the Triton kernels (CUDA graphs).
+_STATIC = "the torch path takes no static metadata (make_meta(static=True)): it is for the Triton kernels"
 
 
 def lora_shrink(x: torch.Tensor, A: torch.Tensor, meta, scale: float = 1.0) -> torch.Tensor:
@@ -94,9 +87,8 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, meta, scale: float = 1.0) -> t
     the metadata's padded layout, [G, width, R] (y[g, i] = the i-th token of active slot g; 0 for
     padding). lora_expand takes either.
     """
-    if meta.static:  # fixed shapes: every token, sorted by slot; no-LoRA tokens (last) get zeros
-        y = segment_mm(x.index_select(0, meta.sorted_tokens), A.transpose(1, 2), meta.offsets)
-        return y if scale == 1.0 else y * scale
+    if meta.static:
+        raise ValueError(_STATIC)
     if meta.no_lora:
         return x.new_empty(0, A.shape[1])
     At = _prepared(A, meta)
@@ -122,28 +114,27 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, B: torch.Tensor, meta, round
                      (out[t].to(B.dtype) + delta).to(out.dtype) else    # PEFT, one adapter
     out: [T, O] (updated in place); y: lora_shrink's output (B's dtype); B: [S, O, R].
     """
-    if meta.static:  # every token, sorted by slot; no-LoRA tokens get a zero delta
-        idx, delta = meta.sorted_tokens, segment_mm(y, B.transpose(1, 2), meta.offsets)
-    elif meta.no_lora:
+    if meta.static:
+        raise ValueError(_STATIC)
+    if meta.no_lora:
         return
+    Bt = _prepared(B, meta)
+    if y.dim() == 3:  # the padded layout: padding rows of y are 0, so they add 0 to token 0
+        delta = torch.bmm(y, Bt).view(-1, Bt.shape[2])
+        if round_delta or delta.dtype == out.dtype:
+            out.index_add_(0, meta.pad_index, delta.to(out.dtype))
+            return
+        delta = delta.index_select(0, meta.pad_positions)
     else:
-        Bt = _prepared(B, meta)
-        if y.dim() == 3:  # the padded layout: padding rows of y are 0, so they add 0 to token 0
-            delta = torch.bmm(y, Bt).view(-1, Bt.shape[2])
+        delta = y @ Bt[0] if Bt.shape[0] == 1 else _segment_mm(y, Bt, meta.offsets, meta.bounds)
+        if meta.lora_range is not None:  # the LoRA tokens are one slice of out
+            rows = out[meta.lora_range[0] : meta.lora_range[1]]
             if round_delta or delta.dtype == out.dtype:
-                out.index_add_(0, meta.pad_index, delta.to(out.dtype))
-                return
-            delta = delta.index_select(0, meta.pad_positions)
-        else:
-            delta = y @ Bt[0] if Bt.shape[0] == 1 else _segment_mm(y, Bt, meta.offsets, meta.bounds)
-            if meta.lora_range is not None:  # the LoRA tokens are one slice of out
-                rows = out[meta.lora_range[0] : meta.lora_range[1]]
-                if round_delta or delta.dtype == out.dtype:
-                    rows.add_(delta.to(out.dtype))  # not +=, which copies the slice back
-                else:
-                    rows.copy_(rows.to(delta.dtype) + delta)
-                return
-        idx = meta.sorted_tokens[: meta.num_lora_tokens]
+                rows.add_(delta.to(out.dtype))  # not +=, which copies the slice back
+            else:
+                rows.copy_(rows.to(delta.dtype) + delta)
+            return
+    idx = meta.sorted_tokens[: meta.num_lora_tokens]
     if round_delta or delta.dtype == out.dtype:
         out.index_add_(0, idx, delta.to(out.dtype))
     else:

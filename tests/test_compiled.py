@@ -97,11 +97,22 @@ def test_warm_up_builds_every_pass_of_its_buckets(model):
     (bucket,) = state_of(model).buckets.values()
     assert sorted(bucket.passes) == [(1, False, None), (1, True, (2, 8)), (2, True, (2, 8)), (3, True, (2, 8))]
     before = graphs_compiled()
+    runs = []
+    for key, fn in bucket.passes.items():
+        bucket.passes[key] = lambda fn=fn: runs.append(1) or fn()
     ids, mask = prompts([3, 5, 4], seed=2)
-    for names, gate in ((["b", "c", "b"], "always"), (["a", "a", "c"], "auto")):
-        out = generate(model, ids, mask, names, invisible_lora=True, gate=gate, num_draft_tokens=2, compile=True)
+    for names, gate, compile in ((["b", "c", "b"], "always", True), (["a", "a", "c"], "auto", True),
+                                 (["a", "b", "b"], "auto", "auto")):  # "auto": a warmed bucket's passes
+        runs.clear()
+        out = generate(model, ids, mask, names, invisible_lora=True, gate=gate, num_draft_tokens=2, compile=compile)
         assert torch.equal(out, generate(model, ids, mask, names))
-    assert graphs_compiled() == before
+        assert runs
+    # "auto" outside the warmed buckets: eager, nothing compiled (5 rows: a bucket of 8).
+    runs.clear()
+    ids, mask = prompts([3, 5, 4, 2, 6], seed=3)
+    out = generate(model, ids, mask, ["a"] * 5, invisible_lora=True, num_draft_tokens=2)
+    assert torch.equal(out, generate(model, ids, mask, ["a"] * 5))
+    assert not runs and graphs_compiled() == before
 
 
 def test_buckets():
@@ -119,7 +130,7 @@ def test_compile_options(model):
         generate(model, ids, mask, ["a", "b"], invisible_lora=True, compile=True, lora_backend="peft")
     with pytest.raises(ValueError, match="only apply with invisible_lora=True"):
         generate(model, ids, mask, ["a", "b"], compile=True)
-    # "auto" on the CPU stays eager: nothing is kept on the model.
+    # "auto" on the CPU with no warmed-up bucket stays eager: nothing is kept on the model.
     state_of(model).clear()
     generate(model, ids, mask, ["a", "b"], invisible_lora=True)
     assert not state_of(model).buckets
