@@ -14,11 +14,14 @@ One decode step of every row against a 64-token cache, on a real model with its 
 - with --compiled: the draft pass, LoRA-on step and verify of 3 tokens again as ``compile=True``
   runs them (CompiledForward, inductor: rows and cache length padded to their buckets; compiled
   in the untimed warm-up round, the compile time printed);
+- with --copied-kv: our draft and LoRA-on passes (and compiled ones with --compiled) again with
+  the key/value heads copied per query head as Transformers does (repeat_kv) instead of read in
+  place (layout.grouped_kv): the A/B of that choice, in the same interleaved rounds;
 - bound: base step x (base weight bytes + the batch's distinct adapters' bytes) / base weight bytes,
   what reading the weights alone would add.
 
     python benchmarks/bench_step.py [--model smollm2|gemma3] [--batches 1 4 8 16] [--adapters 1 4 12] [--repeats 7]
-                                    [--draft-vocab 8192] [--compiled]
+                                    [--draft-vocab 8192] [--compiled] [--copied-kv]
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora import zoo
+from hf_invisiblelora import forward, zoo
 from hf_invisiblelora.adapters import BankSwitch
 from hf_invisiblelora.drafter import Drafter
 from hf_invisiblelora.forward import CompiledForward, EagerForward
@@ -127,6 +130,19 @@ class Setup:
         return lambda: head(self.hidden)
 
 
+def copied_kv(context):
+    """``context`` with our passes copying KV heads as Transformers does (no layout.grouped_kv)."""
+    @contextlib.contextmanager
+    def both():
+        saved, forward.grouped_kv = forward.grouped_kv, contextlib.nullcontext
+        try:
+            with context():
+                yield
+        finally:
+            forward.grouped_kv = saved
+    return both
+
+
 def timed(steps: dict, repeats: int) -> dict:
     """(median seconds per call of each step {name: (context, step)}, interleaved after one warm-up
     round; seconds of each step's warm-up call). The context (our LoRA switch installed, PEFT's
@@ -150,6 +166,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--compiled", action="store_true", help="also time the compiled passes (compile=True)")
+    p.add_argument("--copied-kv", action="store_true", help="also time our passes with repeat_kv copies (A/B)")
     p.add_argument("--out", default="benchmarks/results/step.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -179,6 +196,9 @@ def main(argv=None):
                      "draft_bf16": s.drafted("draft_bf16")}
             for name, (lora_on, q) in zip(compiled, [(False, 1), (True, 1), (True, 3)]):
                 steps[name] = (ours, s.ours(lora_on, q, compiled=True))
+            ab = [k for k in ("draft", "lora", *compiled[:2]) if args.copied_kv]
+            for name in ab:
+                steps[name + "_copied"] = (copied_kv(steps[name][0]), steps[name][1])
             t, first = timed(steps, args.repeats)
             state_of(model).owner = None
             r = dict(batch=batch, adapters=a, bound=bound, **{k: 1000 * v for k, v in t.items()})
@@ -192,6 +212,9 @@ def main(argv=None):
                   f"{r['lora']:.1f} ({r['lora'] / r['base']:.2f}x) | "
                   f"{bound:.2f}x | {r['lora'] / r['base'] / bound:.2f} | {r['stock']:.1f} | {r['verify3']:.1f} | "
                   f"{r['lm_head']:.1f} |" + extra, flush=True)
+            if ab:
+                print("    KV heads read in place / copied (repeat_kv): " + ", ".join(
+                    f"{k} {r[k]:.1f} / {r[k + '_copied']:.1f} ms ({r[k] / r[k + '_copied']:.2f}x)" for k in ab), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(command="python benchmarks/bench_step.py " + " ".join(sys.argv[1:] if argv is None else argv),

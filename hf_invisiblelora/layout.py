@@ -60,9 +60,10 @@ AttentionMaskInterface.register(ROW_MASKS, _row_mask)
 # Grouped KV heads without copies. Transformers' SDPA path copies every key/value head for its
 # query heads (repeat_kv: the whole cache, every layer, every pass) unless it asks torch's SDPA to
 # group them (enable_gqa), which it does on the CPU only when there is no mask. With a mask torch's
-# CPU kernels give the same bits either way (tests/test_configurations.py checks it), and skipping
-# the copy made a SmolLM2 step at batch 16 15% (eager) to 30% (compiled) cheaper: our passes ask
-# for it. Only our passes (a thread-local flag); everything else gets Transformers' choice.
+# CPU kernels give the same bits either way (tests/test_configurations.py checks it); skipping the
+# copy made compiled SmolLM2 passes at batch 16 11-22% cheaper (eager passes and batch 1: within
+# noise; docs/benchmarks.md), so our passes ask for it. Only our passes (a thread-local flag);
+# everything else gets Transformers' choice.
 _PASS = threading.local()
 _stock_use_gqa = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
 
