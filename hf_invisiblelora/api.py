@@ -118,13 +118,13 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
             Drafter(inner, state, state.mine, None if vocab is None else torch.as_tensor(vocab), draft_dtype,
                     size=draft_vocab if isinstance(draft_vocab, int) else None)
         widths = range(1, num_draft_tokens + 2)
-        backend = "inductor" if warm_only and drafter is None and warmed(
-            state.buckets, lora.bank, input_ids.device, inner.dtype, b, width, rows, widths, gate != "never") \
-            else compile_backend
+        length = warmed(state.buckets, lora.bank, input_ids.device, inner.dtype, b, width, rows, widths,
+                        gate != "never") if warm_only and drafter is None else None
+        backend = "inductor" if length else compile_backend
         if backend is None:
             fwd = EagerForward(inner, lora, b, width, input_ids.device, drafter)
         else:
-            fwd = CompiledForward(inner, state.buckets, lora.bank, b, width, input_ids.device, backend, widths)
+            fwd = CompiledForward(inner, state.buckets, lora.bank, b, width, input_ids.device, backend, widths, length)
         pad_id = int(generation_config._pad_token_tensor) if generation_config._pad_token_tensor is not None else 0
         eos = generation_config._eos_token_tensor
         slot = recompute_slot(inner, prompt_len)
@@ -214,8 +214,9 @@ def warm_up(model, adapter_names, batch_size: int, max_length: int, num_draft_to
     ``max_length`` tokens per row (prompt + new tokens + drafts), with ``adapter_names`` can run:
     draft, plain and verify of 2 .. num_draft_tokens + 1 tokens per row, in their buckets (rows,
     cache length, distinct adapters, largest rank: the highest-rank of ``adapter_names`` are used).
-    Later calls in those buckets compile nothing, and with ``compile="auto"`` (the default) calls on
-    the CPU that every pass of which is built take the compiled passes (other calls stay eager).
+    Later calls in those buckets compile nothing, and with ``compile="auto"`` (the default) a call
+    on the CPU of as many rows (the same row bucket), at most ``max_length`` tokens per row and
+    adapters that the built passes cover takes the compiled passes (other calls stay eager).
     Returns the seconds it took (also logged)."""
     names = list(dict.fromkeys(adapter_names))
     bank = get_bank(model, adapters=())

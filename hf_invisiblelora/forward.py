@@ -125,18 +125,20 @@ def pack_buckets(bucket, bank, active) -> tuple:
     return min(built, key=lambda ar: ar[0] * ar[1], default=need)
 
 
-def warmed(buckets: dict, bank, device, dtype, rows: int, width: int, names, widths: range, drafts: bool) -> bool:
-    """Whether compiled passes (``warm_up`` or earlier ``compile=True`` calls) exist for every pass a
-    call of ``rows`` rows of ``width`` slots with adapters ``names`` can run (LoRA-on passes of 1 to
-    K + 1 tokens and the draft pass; only the 1-token LoRA-on pass if it never ``drafts``):
-    ``compile="auto"`` on the CPU takes them then, and never compiles inside a call."""
-    bucket = buckets.get((device, dtype, row_bucket(rows), length_bucket(width)))
-    if bucket is None:
-        return False
+def warmed(buckets: dict, bank, device, dtype, rows: int, width: int, names, widths: range, drafts: bool) -> int | None:
+    """The cache length of the smallest bucket of ``rows`` rows and at least ``width`` slots whose
+    compiled passes (``warm_up`` or earlier ``compile=True`` calls) include every pass a call with
+    adapters ``names`` can run (LoRA-on passes of 1 to K + 1 tokens and the draft pass; only the
+    1-token LoRA-on pass if it never ``drafts``); None if there is none. ``compile="auto"`` on the
+    CPU takes such a bucket, and never compiles inside a call."""
     active = tuple(sorted({s for s in bank.slots([a or BASE for a in names]).tolist() if s >= 0})) or (0,)
-    packs = pack_buckets(bucket, bank, active)
-    need = {(q, True, packs) for q in (widths if drafts else [1])} | ({(1, False, None)} if drafts else set())
-    return need <= set(bucket.passes)
+    for key in sorted((k for k in buckets if k[:3] == (device, dtype, row_bucket(rows)) and k[3] >= width),
+                      key=lambda k: k[3]):
+        packs = pack_buckets(buckets[key], bank, active)
+        need = {(q, True, packs) for q in (widths if drafts else [1])} | ({(1, False, None)} if drafts else set())
+        if need <= set(buckets[key].passes):
+            return key[3]
+    return None
 
 
 def length_bucket(length: int) -> int:
@@ -176,12 +178,14 @@ class CompiledForward:
     """Passes with fixed shapes (see the module docstring); same protocol as ``EagerForward``.
 
     ``buckets``: the model's store of Bucket objects (kept across calls); ``capacity`` rows of at
-    least ``width`` slots; ``widths``: the tokens per row of the passes to compile (1 .. K + 1).
+    least ``width`` slots (in the bucket of ``length`` slots if given, else ``length_bucket(width)``);
+    ``widths``: the tokens per row of the passes to compile (1 .. K + 1).
     """
 
-    def __init__(self, model, buckets: dict, bank, capacity: int, width: int, device, backend: str, widths: range):
+    def __init__(self, model, buckets: dict, bank, capacity: int, width: int, device, backend: str, widths: range,
+                 length: int | None = None):
         self.model, self.bank, self.backend, self.widths = model, bank, backend, widths
-        self.rows, self.length = row_bucket(capacity), length_bucket(width)
+        self.rows, self.length = row_bucket(capacity), length or length_bucket(width)
         self.builds = 0
         key = (device, model.dtype, self.rows, self.length)
         if key not in buckets:

@@ -107,12 +107,30 @@ def test_warm_up_builds_every_pass_of_its_buckets(model):
         out = generate(model, ids, mask, names, invisible_lora=True, gate=gate, num_draft_tokens=2, compile=compile)
         assert torch.equal(out, generate(model, ids, mask, names))
         assert runs
-    # "auto" outside the warmed buckets: eager, nothing compiled (5 rows: a bucket of 8).
-    runs.clear()
-    ids, mask = prompts([3, 5, 4, 2, 6], seed=3)
-    out = generate(model, ids, mask, ["a"] * 5, invisible_lora=True, num_draft_tokens=2)
-    assert torch.equal(out, generate(model, ids, mask, ["a"] * 5))
-    assert not runs and graphs_compiled() == before
+    # "auto" outside the warmed buckets: eager, nothing compiled (5 rows: a bucket of 8; more
+    # slots than warmed; a larger K, whose verify passes are not built).
+    for size, new, k in ((5, 10, 2), (3, 60, 2), (3, 10, 4)):
+        runs.clear()
+        ids, mask = prompts([3, 5, 4, 2, 6][:size], seed=3)
+        kw = dict(input_ids=ids, attention_mask=mask, adapter_names=["a"] * size, do_sample=False, max_new_tokens=new)
+        assert torch.equal(model.generate(**kw, invisible_lora=True, num_draft_tokens=k), model.generate(**kw))
+        assert not runs and graphs_compiled() == before
+
+
+def test_auto_takes_a_longer_warmed_bucket(model):
+    """A call needing fewer cache slots than warm_up's max_length runs in its bucket, compiling nothing."""
+    from hf_invisiblelora import warm_up
+
+    state_of(model).buckets.clear()
+    warm_up(model, ["b"], batch_size=2, max_length=100, num_draft_tokens=1)  # a bucket of 128 slots
+    (key,) = state_of(model).buckets
+    assert key[2:] == (2, 128)
+    before = graphs_compiled()
+    ids, mask = prompts([4, 6], seed=4)
+    out = generate(model, ids, mask, ["a", "c"], invisible_lora=True, num_draft_tokens=1, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, generate(model, ids, mask, ["a", "c"]))
+    assert graphs_compiled() == before and list(state_of(model).buckets) == [key]
+    assert out.cache.get_seq_length() == out.sequences.shape[1] - 1
 
 
 def test_buckets():
