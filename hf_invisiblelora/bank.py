@@ -302,16 +302,16 @@ class AdapterBank:
         for layer in self.layers.values():
             p = layer.packs.get(slots)
             layer.fixed = _Packed(*_padded(p.A, p.B, p.col_slot, width(layer), layer.fixed), p.key)
-        for group in self.groups:
+        for group in self.groups:  # the layers' A side by side, each padded as the layer's own pack
             p, parts, start = group.packs.get(slots), [], 0
             for layer in group.layers:
-                cols = p.columns[id(layer)]
-                A, _, col_slot = _padded(p.A[:, cols], None, p.col_slot[cols], width(layer), None)
-                layer.fixed = layer.fixed._replace(columns=slice(start, start + len(col_slot)))
-                start += len(col_slot)
-                parts.append((A, col_slot))
-            A = _fixed(group.fixed and group.fixed.A, torch.cat([A for A, _ in parts], dim=1))
-            col_slot = _fixed(group.fixed and group.fixed.col_slot, torch.cat([c for _, c in parts]))
+                cols, n = p.columns[id(layer)], len(layer.fixed.col_slot)
+                parts.append(torch.nn.functional.pad(p.A[:, cols], (0, n - (cols.stop - cols.start))))
+                layer.fixed = layer.fixed._replace(columns=slice(start, start + n))
+                start += n
+            A = _fixed(group.fixed and group.fixed.A, torch.cat(parts, dim=1))
+            col_slot = torch.cat([layer.fixed.col_slot for layer in group.layers])
+            col_slot = _fixed(group.fixed and group.fixed.col_slot, col_slot)
             group.fixed = _Packed(A, None, col_slot, p.key)
 
     def _packed_delta(self, layer, x, x2, out, meta) -> None:

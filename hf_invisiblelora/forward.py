@@ -116,12 +116,17 @@ def adapter_bucket(adapters: int, bank: int) -> int:
     return min(power_of_two(adapters), bank)
 
 
+def _active(row_slots: torch.Tensor) -> tuple:
+    """The adapter slots the rows use, ascending; (0,) if none (any pack then, which no token selects)."""
+    return tuple(sorted({s for s in row_slots.tolist() if s >= 0})) or (0,)
+
+
 def pack_buckets(bucket, bank, active) -> tuple:
     """(adapter bucket, rank bucket) of LoRA passes for the ``active`` slots: the smallest pair
     whose passes ``bucket`` already has that covers them (as many adapters or more, of as high a
     rank or higher), else their own."""
     need = adapter_bucket(len(active), len(bank.adapter_names)), power_of_two(bank.max_rank(active))
-    built = [key[2] for key in bucket.passes if key[1] and key[2][0] >= need[0] and key[2][1] >= need[1]]
+    built = [key[2] for key in bucket.passes if key[2] and key[2][0] >= need[0] and key[2][1] >= need[1]]
     return min(built, key=lambda ar: ar[0] * ar[1], default=need)
 
 
@@ -131,9 +136,10 @@ def warmed(buckets: dict, bank, device, dtype, rows: int, width: int, names, wid
     adapters ``names`` can run (LoRA-on passes of 1 to K + 1 tokens and the draft pass; only the
     1-token LoRA-on pass if it never ``drafts``); None if there is none. ``compile="auto"`` on the
     CPU takes such a bucket, and never compiles inside a call."""
-    active = tuple(sorted({s for s in bank.slots([a or BASE for a in names]).tolist() if s >= 0})) or (0,)
-    for key in sorted((k for k in buckets if k[:3] == (device, dtype, row_bucket(rows)) and k[3] >= width),
-                      key=lambda k: k[3]):
+    keys = sorted((k for k in buckets if k[:3] == (device, dtype, row_bucket(rows)) and k[3] >= width),
+                  key=lambda k: k[3])
+    active = _active(bank.slots([a or BASE for a in names])) if keys else None
+    for key in keys:
         packs = pack_buckets(buckets[key], bank, active)
         need = {(q, True, packs) for q in (widths if drafts else [1])} | ({(1, False, None)} if drafts else set())
         if need <= set(buckets[key].passes):
@@ -205,7 +211,7 @@ class CompiledForward:
         self.fresh_metas = set()
         self.adapters = None
         if self.bank.ops is kernels.torch_lora:  # the packed path: the active adapters' weights at fixed widths
-            active = tuple(sorted({s for s in self.row_slots.tolist() if s >= 0})) or (0,)  # none: any, unused
+            active = _active(self.row_slots)
             self.adapters = pack_buckets(self.state, self.bank, active)
             self.bank.fix(active, *self.adapters)
 
