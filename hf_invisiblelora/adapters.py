@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from .bank import get_bank
 from .checks import BASE, lora_layers
 from .state import forwards
@@ -92,3 +94,29 @@ class BankSwitch:
 
 
 SWITCHES = {"bank": BankSwitch, "peft": PeftSwitch}
+
+
+def bank_inexact(model, adapters) -> str | None:
+    """Why the bank would not compute these adapters' LoRA terms as PEFT does, or None.
+
+    PEFT computes each adapter's term in that adapter's own dtype and adds it to the base layer's
+    output. The bank computes every adapter in one dtype (the widest of the loaded adapters), with
+    the scaling folded into B: the same arithmetic when the call's adapters all have that dtype and
+    it is at least as precise as the base layers' (float32 adapters on a bfloat16 model, PEFT's
+    default, included); otherwise its rounding would show (a bfloat16 adapter on a float64 model).
+    """
+    used, widest = set(), None
+    for m in lora_layers(model):
+        base = m.get_base_layer().weight.dtype
+        for a, lin in m.lora_A.items():
+            kinds = {lin.weight.dtype, m.lora_B[a].weight.dtype}
+            for d in kinds:
+                widest = d if widest is None else torch.promote_types(widest, d)
+            if a in adapters:
+                used |= {(d, base) for d in kinds}
+    for d, base in sorted(used, key=str):
+        if d != widest:
+            return f"the adapters are in several dtypes ({widest} and {d}), which PEFT computes each in its own"
+        if d != base and not (d.is_floating_point and torch.finfo(d).eps <= torch.finfo(base).eps):
+            return f"adapters in {d} on {base} layers: PEFT computes their terms in {d}"
+    return None

@@ -21,11 +21,19 @@ from peft.tuners.lora.model import _adapter_names_pre_forward_hook
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .adapters import SWITCHES
+from .adapters import SWITCHES, bank_inexact
 from .bank import get_bank
-from .checks import BASE, check_call, check_compile, check_model, check_options, resolve_adapter_names
+from .checks import (
+    BASE,
+    check_adapter_state,
+    check_call,
+    check_compile,
+    check_model,
+    check_options,
+    resolve_adapter_names,
+)
 from .decoding import Decoder
-from .drafter import Drafter, observe as observe_tokens, vocabulary as drafter_vocabulary
+from .drafter import Drafter, check_vocabulary, observe as observe_tokens, vocabulary as drafter_vocabulary
 from .forward import CompiledForward, EagerForward, backend_for, warmed
 from .gate import Gate
 from .layout import prompt_positions
@@ -38,6 +46,9 @@ from .stats import DecodingStats
 logger = logging.getLogger("hf_invisiblelora")
 OPTIONS = ("num_draft_tokens", "gate", "lora_backend", "generator", "compile", "draft_vocab", "draft_dtype")  # generate() keywords that only InvisibleLoRA reads
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer")
+# generate() kwargs that send it to another decoding loop before any custom_generate callable runs.
+_OTHER_LOOPS = {"custom_generate": "it runs its own decoding loop through custom_generate",
+                "cache_implementation": "cache_implementation='paged' sends generate() to continuous batching"}
 
 
 @dataclass
@@ -74,6 +85,26 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab, draft_dtype)
     check_model(model)
     inner = model.get_base_model()
+    input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    if input_ids is None or kwargs.get("inputs_embeds") is not None:
+        raise ValueError("invisible_lora needs input_ids (inputs_embeds are not supported).")
+    for name in _ASSISTED:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"invisible_lora is speculative decoding already; it cannot be combined with {name}.")
+    if kwargs.get("custom_generate") is not None or kwargs.get("cache_implementation") == "paged":
+        why = _OTHER_LOOPS["custom_generate" if kwargs.get("custom_generate") is not None else "cache_implementation"]
+        raise ValueError(f"invisible_lora cannot be combined with that: {why}. Use plain generate().")
+    names = resolve_adapter_names(model, adapter_names, input_ids.shape[0])
+    mixed = adapter_names is not None  # stock PEFT takes its mixed-batch path only when given adapter_names
+    check_adapter_state(model, names, mixed)
+    if isinstance(draft_vocab, (list, tuple, torch.Tensor)):
+        draft_vocab = check_vocabulary(draft_vocab, inner)
+    if lora_backend == "bank" and (why := bank_inexact(model, set(names) - {BASE})):
+        if compile is True:
+            raise ValueError(f"compile=True needs the adapter bank, which cannot compute these adapters as PEFT does "
+                             f"({why}); use compile=False, or cast the adapters to one dtype.")
+        logger.info("hf_invisiblelora: PEFT's own LoRA layers compute this call (%s).", why)
+        lora_backend = "peft"
     compile_backend = backend_for(compile, model.device, model.dtype, lora_backend)
     length_varying = any(length_dependent(m) for m in inner.modules())
     if compile == "auto" and length_varying:
@@ -82,17 +113,10 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     # "auto" on the CPU: the compiled passes of a warmed-up bucket (warm_up), never a compilation.
     warm_only = compile == "auto" and compile_backend is None and not length_varying and lora_backend == "bank" \
         and model.device.type == "cpu"
-    input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
-    if input_ids is None or kwargs.get("inputs_embeds") is not None:
-        raise ValueError("invisible_lora needs input_ids (inputs_embeds are not supported).")
-    for name in _ASSISTED:
-        if kwargs.get(name) is not None:
-            raise ValueError(f"invisible_lora is speculative decoding already; it cannot be combined with {name}.")
-    names = resolve_adapter_names(model, adapter_names, input_ids.shape[0])
-    mixed = adapter_names is not None  # stock PEFT takes its mixed-batch path only when given adapter_names
     streamer = kwargs.pop("streamer", None)
     tokenizer = kwargs.pop("tokenizer", None)
-    _move_stop_strings(model, kwargs, tokenizer)
+    inner.generation_config = model.generation_config  # as PEFT's own generate does
+    _move_stop_strings(inner, kwargs, tokenizer)
     stats = DecodingStats(names, num_draft_tokens)
     state = state_of(model)
 
@@ -102,14 +126,23 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         b, prompt_len = input_ids.shape
         rows = _expand(names, b)
         stats.adapter_names = rows
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
         mask = model_kwargs.get("attention_mask")
         positions = model_kwargs.get("position_ids")
         if positions is None:
             positions = prompt_positions(mask, input_ids)
-        max_new = generation_config.max_length - prompt_len
+        stopping = split_criteria(stopping_criteria)
+        pad = generation_config._pad_token_tensor
+        if stopping.max_length is None:
+            raise ValueError("invisible_lora needs a bound on the length: the stopping criteria hold no "
+                             "MaxLengthCriteria (a passed subclass of it with its own code does not say how long "
+                             "rows can get). Pass max_new_tokens or max_length.")
+        if stopping.pads and pad is None:
+            raise ValueError("A stopping criterion has an eos_token_id, so standard decoding pads the rows it stops, "
+                             "but no pad_token_id (or eos_token_id) is set: pass pad_token_id=...")
+        max_new = max(1, stopping.max_length - prompt_len)  # standard decoding checks the criteria after a token
         width = prompt_len + max_new + num_draft_tokens + 1
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
         lora = SWITCHES[lora_backend](model, mixed, state.mine)
         vocab_size = inner.config.get_text_config(decoder=True).vocab_size
         vocab = draft_vocab if draft_vocab is None or not isinstance(draft_vocab, int) else \
@@ -125,15 +158,15 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
             fwd = EagerForward(inner, lora, b, width, input_ids.device, drafter)
         else:
             fwd = CompiledForward(inner, state.buckets, lora.bank, b, width, input_ids.device, backend, widths, length)
-        pad_id = int(generation_config._pad_token_tensor) if generation_config._pad_token_tensor is not None else 0
-        eos = generation_config._eos_token_tensor
+        pad_id = int(pad) if pad is not None else 0
+        eos = stopping.eos
         slot = recompute_slot(inner, prompt_len)
         decoder = Decoder(
             fwd, lora, GeneratePolicy(logits_processor, bool(generation_config.do_sample), generator),
             Gate(gate, num_draft_tokens, state.gate, BASE, passes=backend or "eager",
                  drafter=drafter.variant if drafter else ""),
-            capacity=b, span=b, pad_id=pad_id, eos=None if eos is None else eos.reshape(-1).to(input_ids.device),
-            criteria=split_criteria(stopping_criteria), freeze=eos is not None,  # as standard decoding pads finished rows
+            capacity=b, span=b, pad_id=pad_id, eos=None if eos is None else eos.to(input_ids.device),
+            criteria=stopping.criteria, freeze=stopping.pads, timed=stopping.timed,
             recompute=None if slot is None else Recompute(slot, b),
         )
         rotary = StepRotary(inner, fwd.layout, state.mine)
@@ -161,7 +194,6 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     if state.mine():
         raise RuntimeError("generate(invisible_lora=True) was called from inside another InvisibleLoRA call on the "
                            "same model (a streamer, processor or criterion?): calls on one model run one at a time.")
-    inner.generation_config = model.generation_config  # as PEFT's own generate does
     with state.lock:
         state.owner = threading.get_ident()
         try:
@@ -192,20 +224,21 @@ def _expand(names: list[str], rows: int) -> list[str]:
     return [n for n in names for _ in range(per)]
 
 
-def _move_stop_strings(model, kwargs, tokenizer) -> None:
-    """Build the stop-string criterion here: generate() drops the tokenizer when handing over to a callable."""
-    config = kwargs.get("generation_config") or model.generation_config
-    stop = kwargs.pop("stop_strings", None) or getattr(config, "stop_strings", None)
-    if not stop:
+def _move_stop_strings(inner, kwargs, tokenizer) -> None:
+    """Build the stop-string criterion here (generate() drops the tokenizer when handing over to a
+    callable), from the stop strings generate() would take (its merge of the kwargs, the passed
+    config and the model's), and only where generate() would keep it: a StopStringCriteria passed
+    in ``stopping_criteria`` replaces the one the stop strings make."""
+    config, _ = inner._prepare_generation_config(kwargs.get("generation_config"),
+                                                 **{k: v for k, v in kwargs.items() if k != "generation_config"})
+    if config.stop_strings is None:
         return
     if tokenizer is None:
         raise ValueError("stop_strings needs the tokenizer: pass tokenizer=... to generate().")
-    if getattr(config, "stop_strings", None):
-        config = config.__class__.from_dict(config.to_dict())
-        config.stop_strings = None
-        kwargs["generation_config"] = config
+    kwargs["stop_strings"] = None  # the last word in generate()'s merge
     criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
-    criteria.append(StopStringCriteria(tokenizer, stop))
+    if not any(type(c) is StopStringCriteria for c in criteria):
+        criteria.append(StopStringCriteria(tokenizer, config.stop_strings))
     kwargs["stopping_criteria"] = criteria
 
 

@@ -239,7 +239,7 @@ class AdapterBank:
         self.adapter_names = names
         weight = self.modules[0][1].get_base_layer().weight
         self.device = weight.device
-        adapters = [m.lora_A[a].weight for _, m in self.modules for a in m.lora_A]
+        adapters = [w for _, m in self.modules for a in m.lora_A for w in (m.lora_A[a].weight, m.lora_B[a].weight)]
         dtype = adapters[0].dtype
         for w in adapters:
             dtype = torch.promote_types(dtype, w.dtype)
@@ -418,8 +418,8 @@ class AdapterBank:
             out = base(x, *args, **kwargs)
         else:  # a plain Linear: skip the module call (about 210 of these per step)
             out = nn.functional.linear(x, base.weight, base.bias)
-        if layer is None or not self._metas and self._rows is None:
-            return out
+        if layer is None or not self._metas and self._rows is None or m.disable_adapters:
+            return out  # no LoRA here: no adapter in this layer, a LoRA-off pass, or PEFT's adapters disabled
         x2 = x.reshape(-1, x.shape[-1])  # tokens in row order: row b's tokens are consecutive
         meta = self._meta_for(x2.shape[0])
         if meta is None or meta.no_lora:

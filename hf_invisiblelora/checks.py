@@ -64,15 +64,26 @@ def check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab=Non
         raise ValueError("draft_vocab and draft_dtype work with compile=False (eager passes) only.")
 
 
-def named_lora_layers(model) -> list:
-    """(name, layer) of every PEFT LoRA layer. Walking a model with many adapters costs tens of ms
-    (thousands of modules), so the walk is kept in the model's state and redone only when the
-    adapters PEFT lists (peft_config: names and configs) change, which is when LoRA layers come and go."""
+def _walk(model) -> tuple:
+    """(LoRA layers with their names, every module) of the model. Walking a model with many adapters
+    costs tens of ms (thousands of modules), so the walk is kept in the model's state and redone only
+    when the adapters PEFT lists (peft_config: names and configs) change, which is when LoRA layers
+    come and go."""
     state = state_of(model)
     config = tuple((getattr(model, "peft_config", None) or {}).items())
     if state.layers is None or state.layers[0] != config:
-        state.layers = (config, [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)])
-    return state.layers[1]
+        modules = list(model.named_modules())
+        state.layers = (config, [(n, m) for n, m in modules if isinstance(m, LoraLayer)], [m for _, m in modules])
+    return state.layers[1:]
+
+
+def named_lora_layers(model) -> list:
+    """(name, layer) of every PEFT LoRA layer (see _walk)."""
+    return _walk(model)[0]
+
+
+def all_modules(model) -> list:
+    return _walk(model)[1]
 
 
 def lora_layers(model) -> list:
@@ -123,10 +134,42 @@ def check_model(model) -> None:
     check_architecture(model.get_base_model())
 
 
+def check_adapter_state(model, names: list[str], mixed: bool) -> None:
+    """PEFT's per-layer state that its LoRA forward reads, where the call cannot follow it.
+
+    Followed (not refused): a layer's ``disable_adapters`` (PEFT's ``disable_adapter()`` context and
+    ``disable_adapter_layers()``: the layer computes its base alone, mixed batch or not), its
+    ``scaling`` (``set_scale``) and weights. Refused: dropout in training mode anywhere (standard
+    decoding would drop activations at random), and, for a call without ``adapter_names`` (each
+    layer then sums its own active adapters), layers whose active adapters are not the model's.
+    """
+    if any(m.training for m in all_modules(model)):
+        raise ValueError("Some modules of the model are in training mode (their dropout would be applied): call "
+                         "model.eval() first.")
+    if mixed:
+        return
+    active = set(names) - {BASE}
+    odd = [name for name, m in named_lora_layers(model) if set(m.active_adapters) & set(m.lora_A) != active & set(m.lora_A)]
+    if odd:
+        raise ValueError(f"LoRA layers {odd[:3]}{' ...' if len(odd) > 3 else ''} have other active adapters than the "
+                         f"model's {sorted(active)}; pass adapter_names=[...] (or call model.set_adapter(...)).")
+
+
+# Generation methods standard decoding runs on the model, which our loop does not call: a model
+# class that defines its own (a user's subclass, remote code) decodes by its own rules.
+_GENERATION_HOOKS = ("_sample", "_prefill", "prepare_inputs_for_generation", "_update_model_kwargs_for_generation")
+
+
 def check_architecture(inner) -> None:
     config = inner.config
     text = config.get_text_config(decoder=True)
     name = type(inner).__name__
+    own = [(m, c.__module__) for m in _GENERATION_HOOKS
+           for c in [next(c for c in type(inner).__mro__ if m in vars(c))]
+           if not c.__module__.startswith("transformers.")]
+    if own:
+        raise ValueError(f"{name} defines its own {', '.join(m for m, _ in own)} (in {own[0][1]}), which standard "
+                         "decoding calls at every step and invisible_lora's loop does not. Use plain generate().")
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"invisible_lora serves decoder-only models; {name} is an encoder-decoder.")
     if config.model_type in UNSUPPORTED:

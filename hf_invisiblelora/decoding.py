@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .gate import Gate
-from .processors import first_stop
+from .processors import expired, first_stop
 
 
 @dataclass
@@ -122,13 +122,16 @@ def verify(fwd, rows: Rows, hi: int, k: int, policy):
     return policy.scores(rows, slice(0, hi), logits, offset=0)
 
 
-def commit(rows: Rows, hi: int, n, next_token, k: int, eos, criteria, freeze: bool, members=None):
+def commit(rows: Rows, hi: int, n, next_token, k: int, eos, criteria, freeze: bool, members=None, timed=()):
     """Append each member row's accepted drafts + next token, cut at EOS / stopping criteria / the
     row's budget. ``n``, ``next_token``: [hi]; ``members``: the rows committing (default: the
     active rows among 0..hi-1); the others keep nothing.
 
     ``freeze``: a stopped row is finished (its later tokens are padding), as in standard decoding
-    when an EOS token is set; otherwise it keeps generating until every row has stopped.
+    when a criterion has an ``eos_token_id``; otherwise it keeps generating until every row has
+    stopped. ``timed``: time limits (generate()'s max_time); once one has passed, every row ends at
+    one length, as standard decoding's batch ends at the step the time ran out: the shortest length
+    a row still generating has reached (rows ahead of it drop what they hold beyond it).
     Returns the host lists (kept per row, accepted drafts per row): the cycle's one device sync
     (two when stopping criteria beyond EOS and the budget are set).
     """
@@ -155,6 +158,10 @@ def commit(rows: Rows, hi: int, n, next_token, k: int, eos, criteria, freeze: bo
         rows.gen_h[r] += kept_h[r]
         if stopped_h[r] and rows.stop_at[r] is None:
             rows.stop_at[r] = rows.gen_h[r]
+    if timed and expired(timed, tokens):
+        _end_batch(rows, hi, kept_h, freeze)
+        rows.gen = torch.tensor(rows.gen_h, device=tokens.device)
+        return kept_h, n_h
     # Without freezing (generate(), whose rows 0..hi-1 are its batch), every row generates up to
     # the last row's stop once all have stopped.
     limit = None if freeze or None in rows.stop_at[:hi] else max(rows.stop_at[:hi])
@@ -165,12 +172,27 @@ def commit(rows: Rows, hi: int, n, next_token, k: int, eos, criteria, freeze: bo
     return kept_h, n_h
 
 
+def _end_batch(rows: Rows, hi: int, kept_h: list, freeze: bool) -> None:
+    """Every row of 0..hi-1 ends at the shortest length of a row still generating real tokens (rows
+    finished and padded do not count); nothing to cut if none is."""
+    going = [rows.gen_h[r] for r in range(hi) if not rows.done_h[r] and not (freeze and rows.stop_at[r] is not None)]
+    if going:
+        end = min(going)
+        for r in range(hi):
+            kept_h[r] -= max(0, rows.gen_h[r] - end)
+            rows.gen_h[r] = min(rows.gen_h[r], end)
+            if not freeze:  # the batch's output ends here
+                rows.stop_at[r] = end
+    for r in range(hi):
+        rows.done_h[r] = True
+
+
 class Decoder:
     """Rows of one shared cache, decoded in cycles (see the module docstring).
 
     ``fwd``: the forward object (forward.py), ``lora``: the LoRA switch (adapters.py), ``policy``:
     processing, picking and acceptance. ``eos``: [E] token ids or None; ``criteria``: stopping
-    criteria beyond EOS and the budget (generate()'s); ``freeze``: see ``commit``. ``recompute``:
+    criteria beyond EOS and the budget (generate()'s); ``freeze``, ``timed``: see ``commit``. ``recompute``:
     a rotary.Recompute when standard decoding recomputes its cache at some slot. ``span``: run
     every pass over rows 0..span-1 (generate(): processors then see the whole batch, as in
     standard decoding), else over the rows up to the last active one. ``history``: keep each
@@ -178,10 +200,10 @@ class Decoder:
     """
 
     def __init__(self, fwd, lora, policy, gate: Gate, *, capacity: int, pad_id: int, eos=None, criteria=None,
-                 freeze: bool = True, recompute=None, span: int | None = None, history: bool = True):
+                 freeze: bool = True, timed=(), recompute=None, span: int | None = None, history: bool = True):
         self.fwd, self.lora, self.policy, self.gate, self.span = fwd, lora, policy, gate, span
         self.rows = Rows.empty(capacity, fwd.layout.width, pad_id, fwd.layout.positions.device)
-        self.eos, self.criteria, self.freeze, self.recompute = eos, criteria, freeze, recompute
+        self.eos, self.criteria, self.freeze, self.timed, self.recompute = eos, criteria, freeze, timed, recompute
         self.names = [None] * capacity  # each row's adapter
         self.timer = PassTimer(self.rows.tokens.device)
         self.cycles, self.k, self.k_per_cycle, self.history = 0, 0, [], history
@@ -206,7 +228,8 @@ class Decoder:
         hi = max(idx) + 1
         full_n, full_next = n.new_zeros(hi), n.new_zeros(hi)
         full_n[sub], full_next[sub] = n, next_token
-        kept, _ = commit(self.rows, hi, full_n, full_next, 0, self.eos, self.criteria, self.freeze, members=idx)
+        kept, _ = commit(self.rows, hi, full_n, full_next, 0, self.eos, self.criteria, self.freeze, members=idx,
+                         timed=self.timed)
         return kept
 
     def cycle(self):
@@ -229,7 +252,7 @@ class Decoder:
         n, next_token = self.policy.accept(drafts, draft_probs, scores, rows, slice(0, hi))
         if self.recompute is not None:
             n, next_token = self.recompute.cap(rows, hi, n, next_token, drafts)
-        kept, n_h = commit(rows, hi, n, next_token, k, self.eos, self.criteria, self.freeze)
+        kept, n_h = commit(rows, hi, n, next_token, k, self.eos, self.criteria, self.freeze, timed=self.timed)
         for r in active:
             self.drafted[r] += k
             self.accepted[r] += n_h[r]

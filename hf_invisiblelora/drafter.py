@@ -47,6 +47,22 @@ def vocabulary(state, size: int, prompt_ids: torch.Tensor, vocab_size: int) -> t
     return ids.unique()
 
 
+def check_vocabulary(ids, inner) -> torch.Tensor:
+    """A draft vocabulary given as token ids, validated against the model's output head: sorted unique ids."""
+    vocab_size = _base(inner.get_output_embeddings()).weight.shape[0]
+    try:
+        t = torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"draft_vocab must be a list of integer token ids, got {type(ids).__name__}.") from None
+    if t.dim() != 1 or t.numel() == 0 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"draft_vocab must be a non-empty 1-D list of integer token ids, got {t.numel()} values "
+                         f"of {t.dtype} in {t.dim()} dimension(s).")
+    if int(t.min()) < 0 or int(t.max()) >= vocab_size:
+        raise ValueError(f"draft_vocab holds token ids outside the model's vocabulary [0, {vocab_size}): "
+                         f"from {int(t.min())} to {int(t.max())}.")
+    return t.long().cpu().unique()
+
+
 class Drafter:
     """The draft-pass options of one call (see the module docstring). ``active`` is set by the
     forward object: True during LoRA-off passes. ``variant`` names the options for the gate, which

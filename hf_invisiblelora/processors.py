@@ -15,10 +15,17 @@ Contract, as in standard decoding: a processor or criterion computes each row fr
 from __future__ import annotations
 
 import copy
+import inspect
+from dataclasses import dataclass
 
 import torch
 from transformers.generation import logits_process as lp
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StoppingCriteriaList,
+)
 
 # Processors whose output depends on the scores alone (input_ids is not read).
 _SCORES_ONLY = (
@@ -33,6 +40,19 @@ _SCORES_ONLY = (
     lp.SuppressTokensLogitsProcessor,
     lp.LogitNormalization,
 )
+
+
+def behaves_as(obj, classes: tuple) -> type | None:
+    """The class of ``classes`` whose code ``obj`` runs, or None: ``obj`` is an instance of it and no
+    class between (its subclasses) defines a method of its own but ``__init__``. A subclass that
+    overrides ``__call__`` (or anything it calls) is user code and is treated as such."""
+    for cls in type(obj).__mro__:
+        if cls in classes:
+            return cls
+        if any(name != "__init__" and (inspect.isfunction(v) or isinstance(v, (staticmethod, classmethod, property)))
+               for name, v in vars(cls).items()):
+            return None
+    return None
 
 
 def _only_rows(processor, rows: set[int]):
@@ -56,7 +76,7 @@ def process_scores(processors, tokens: torch.Tensor, lengths: list[int], logits:
     if not processors:
         return scores
     b, q, v = scores.shape
-    if all(isinstance(p, _SCORES_ONLY) for p in processors):
+    if all(behaves_as(p, _SCORES_ONLY) for p in processors):
         flat = scores.reshape(b * q, v)
         ids = tokens[:1, :1].expand(b * q, 1)  # unread by these processors
         for p in processors:
@@ -81,9 +101,47 @@ def process_scores(processors, tokens: torch.Tensor, lengths: list[int], logits:
     return out
 
 
-def split_criteria(criteria) -> StoppingCriteriaList:
-    """The criteria decoding must call itself; max length and EOS are handled per row, vectorized."""
-    return StoppingCriteriaList(c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)))
+@dataclass
+class Stopping:
+    """generate()'s stopping criteria as the decoding loop applies them (``split_criteria``).
+
+    ``eos``: the ids of the EOS criteria [E] (None: none), checked per row, vectorized;
+    ``max_length``: the smallest max_length of the length criteria (they stop every row at the same
+    length, so they are a per-row budget); ``timed``: time limits, which stop the whole batch at once;
+    ``criteria``: the others, called at every length a row reaches (``first_stop``); ``pads``: rows
+    a criterion stopped are finished and padded, as standard decoding does when any criterion has
+    an ``eos_token_id`` attribute (otherwise they keep generating until every row has stopped).
+    """
+
+    eos: torch.Tensor | None
+    max_length: int | None
+    timed: list
+    criteria: StoppingCriteriaList
+    pads: bool
+
+
+def split_criteria(criteria) -> Stopping:
+    """Sort the criteria generate() built (its defaults merged with the ones passed, as it merges
+    them) by how decoding applies them. Only criteria that run Transformers' own code for EOS, max
+    length and max time are taken apart; subclasses with code of their own are called as any criterion."""
+    eos, lengths, timed, rest = [], [], [], StoppingCriteriaList()
+    for c in criteria:
+        kind = behaves_as(c, (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria))
+        if kind is EosTokenCriteria:
+            eos.append(c.eos_token_id.reshape(-1))
+        elif kind is MaxLengthCriteria:
+            lengths.append(c.max_length)
+        elif kind is MaxTimeCriteria:
+            timed.append(c)
+        else:
+            rest.append(c)
+    return Stopping(torch.cat(eos).unique() if eos else None, min(lengths, default=None), timed, rest,
+                    pads=any(hasattr(c, "eos_token_id") for c in criteria))
+
+
+def expired(timed: list, tokens: torch.Tensor) -> bool:
+    """Whether a time limit has passed (it answers for the whole batch, as at a standard decoding step)."""
+    return any(bool(c(tokens, None).any()) for c in timed)
 
 
 def first_stop(criteria: StoppingCriteriaList, tokens: torch.Tensor, plen: list[int], gen: list[int],

@@ -29,7 +29,7 @@ class ModelState:
     buckets: dict = field(default_factory=dict)  # forward.Bucket per (device, dtype, rows, cache length)
     stats: object = None  # stats.DecodingStats of the last call
     drafter: dict = field(default_factory=dict)  # drafter.py: token counts, derived weight copies
-    layers: tuple | None = None  # (peft_config items, [(name, LoRA layer)]): checks.named_lora_layers
+    layers: tuple | None = None  # (peft_config items, [(name, LoRA layer)], [every module]): checks._walk
 
     def clear(self) -> None:
         """Forget the bank, the gate's measurements, the compiled passes, the last stats and the drafter's data."""
