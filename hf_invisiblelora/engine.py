@@ -10,11 +10,15 @@ serve.py runs on it; it is a plain object and needs no HTTP).
     handle.finish_reason             # "stop" (EOS or stopped by the caller) or "length"
     engine.stop()
 
-Each cycle the engine admits waiting requests into free rows (one prefill of those rows), then
-runs one decoder cycle (decoding.py: the gate's drafts, one verify pass over every active row,
-acceptance) and hands each request its committed tokens. A request's output does not depend on
-what else shares the batch: greedy output equals standalone ``generate()`` of its prompt with its
-adapter, and sampling with a seed gives the same tokens whatever the batch (policies.RequestPolicy).
+Each cycle the engine admits waiting requests into free rows (a prefill of those rows: one per
+group of them whose prompts, left-padded to the group's longest, leave every row room for its
+budget and the drafts), then runs one decoder cycle (decoding.py: the gate's drafts, one verify
+pass over every active row, acceptance) and hands each request its committed tokens. A
+request's output does not depend on what else shares the batch: greedy output equals standalone
+``generate()`` of its prompt with its adapter, and sampling with a seed gives the same tokens
+whatever the batch (policies.RequestPolicy). An unexpected exception in a prefill, a cycle or a
+delivery ends only the requests in it (finish reason "error"; logged, and counted in ``metrics``:
+``failed_cycles``, ``failed_requests``); their rows are freed and the engine serves on.
 
 Adapters can be loaded and unloaded while serving (between cycles; unloading one that a request
 uses is refused). The engine holds the model's InvisibleLoRA lock while it runs: other
@@ -33,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adapters import BankSwitch
+from .adapters import SWITCHES, bank_inexact
 from .checks import BASE, check_model
 from .decoding import Decoder
 from .forward import EagerForward
@@ -110,7 +114,8 @@ class Request:
 
 class Handle:
     """A submitted request: iterate to get its committed token chunks; ``cancel()`` frees its row
-    at the next cycle. ``finish_reason``: "stop", "length", "cancelled" or "error" once finished."""
+    at the next cycle. ``finish_reason``: "stop", "length", "cancelled" or "error" once finished
+    (``error`` then says why: its on_tokens callback raised, or the engine failed in a step it was in)."""
 
     def __init__(self, request: Request, engine: "Engine"):
         self.request, self.engine = request, engine
@@ -176,11 +181,13 @@ class Engine:
         self._handles = [None] * max_batch  # the request in each row
         self._cancelled = set()
         self._thread = None
+        self._decoder = None  # the engine thread's Decoder while it runs (read by tests)
         self._running = False
         self._state_lock = threading.Lock()  # metrics and adapter changes: read from other threads
         self._adapters = list(model.peft_config)
         self.metrics = dict(cycles=0, tokens=0, k_hist=collections.Counter(),
-                            drafted=collections.Counter(), accepted=collections.Counter(), requests=0)
+                            drafted=collections.Counter(), accepted=collections.Counter(), requests=0,
+                            failed_cycles=0, failed_requests=0)
 
     # --- the client side (any thread) ---
 
@@ -341,16 +348,17 @@ class Engine:
         with state.lock:
             state.owner = threading.get_ident()
             try:
-                lora = BankSwitch(self.model, mixed=True)
+                lora = self._switch()
                 fwd = EagerForward(inner, lora, self.max_batch, self.max_len, inner.device)
                 gate = Gate(self.gate_mode, self.num_draft_tokens, state.gate, BASE)
                 decoder = Decoder(fwd, lora, RequestPolicy(self.max_batch, inner.device), gate,
                                   capacity=self.max_batch, pad_id=self.pad_id, eos=self.eos, history=False)
+                self._decoder = decoder
                 while self._running:
                     self._serve(decoder)
                     if self._run_commands():
                         # An adapter change: a new bank (its slots may move); the rows in flight keep going.
-                        decoder.lora = fwd.lora = lora = BankSwitch(self.model, mixed=True)
+                        decoder.lora = fwd.lora = lora = self._switch()
                         lora.set_rows(decoder.names)
                         fwd.set_rows(decoder.names)
             except Exception as e:  # noqa: BLE001 - every request learns the engine failed
@@ -366,6 +374,14 @@ class Engine:
             finally:
                 state.owner = None
 
+    def _switch(self):
+        """The LoRA switch for the loaded adapters: the bank, or PEFT's own layers where the bank
+        would not compute them as PEFT does (adapters.bank_inexact)."""
+        why = bank_inexact(self.model, set(self.model.peft_config))
+        if why:
+            logger.info("hf_invisiblelora engine: PEFT's own LoRA layers compute the passes (%s).", why)
+        return SWITCHES["peft" if why else "bank"](self.model, True, self.state.mine)
+
     def _serve(self, decoder: Decoder) -> None:
         """Cycles until a command (an adapter change) arrives or the engine stops."""
         with decoder.lora.installed(), torch.no_grad():
@@ -378,17 +394,26 @@ class Engine:
                 self._drop_cancelled(decoder)
                 self._admit(decoder)
                 if decoder.rows.active:
-                    before = list(zip(decoder.drafted, decoder.accepted))
-                    kept = decoder.cycle()
-                    with self._state_lock:
-                        m = self.metrics
-                        m["cycles"] += 1
-                        m["k_hist"][decoder.k] += 1
-                        for r, (d, a) in enumerate(before):  # drafted / accepted per adapter, as they happen
-                            if self._handles[r] is not None:
-                                m["drafted"][self._handles[r].request.adapter] += decoder.drafted[r] - d
-                                m["accepted"][self._handles[r].request.adapter] += decoder.accepted[r] - a
-                    self._deliver(decoder, kept)
+                    self._cycle(decoder)
+
+    def _cycle(self, decoder: Decoder) -> None:
+        """One decoder cycle over the active rows, then delivery. If it raises, the requests in it
+        end with "error" and the engine serves on (``_fail``)."""
+        try:
+            before = list(zip(decoder.drafted, decoder.accepted))
+            kept = decoder.cycle()
+            with self._state_lock:
+                m = self.metrics
+                m["cycles"] += 1
+                m["k_hist"][decoder.k] += 1
+                for r, (d, a) in enumerate(before):  # drafted / accepted per adapter, as they happen
+                    if self._handles[r] is not None:
+                        m["drafted"][self._handles[r].request.adapter] += decoder.drafted[r] - d
+                        m["accepted"][self._handles[r].request.adapter] += decoder.accepted[r] - a
+        except Exception as e:  # noqa: BLE001 - every row of the cycle is involved; the engine serves on
+            self._fail(decoder, [(r, h) for r, h in enumerate(self._handles) if h is not None], "decoding", e)
+            return
+        self._deliver(decoder, kept)
 
     def _run_commands(self) -> bool:
         """Run the queued adapter changes; True if one took effect (a refused or failed one changes nothing)."""
@@ -406,6 +431,7 @@ class Engine:
         return changed
 
     def _admit(self, decoder: Decoder) -> None:
+        """Waiting requests take the free rows, first come first served, in prefill groups that fit."""
         free = [r for r, h in enumerate(self._handles) if h is None]
         joining = []
         with self._wake:
@@ -413,50 +439,122 @@ class Engine:
                 joining.append((free.pop(0), self._waiting.popleft()))
         if not joining:
             return
-        device = self.inner.device
-        width = max(len(h.request.prompt) for _, h in joining)
-        ids = torch.full((len(joining), width), self.pad_id, dtype=torch.long, device=device)
-        mask = torch.zeros_like(ids)
-        for i, (_, h) in enumerate(joining):  # left-padded: a row's slots follow its own positions
-            n = len(h.request.prompt)
-            ids[i, width - n:] = torch.tensor(h.request.prompt, device=device)
-            mask[i, width - n:] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        idx = [r for r, _ in joining]
-        for r, h in joining:
+        try:
+            groups = self._groups(joining)
+        except Exception as e:  # noqa: BLE001 - the joining requests are involved
+            self._fail(decoder, joining, "admission", e)
+            return
+        for group in groups:
+            self._prefill(decoder, group)
+
+    def _groups(self, joining: list) -> list[list]:
+        """Split the joining (row, handle) pairs into prefill groups whose rows all fit.
+
+        A group's prompts are left-padded to its longest one, P slots, so each of its rows needs
+        P + max_tokens + K + 1 slots (validate() checks a request's own prompt length: prompt +
+        max_tokens <= max_request_tokens <= max_len - K - 1; positions follow each row's own
+        tokens, so padding costs slots, not positions). The fewest groups: take the longest prompt
+        left, P; every request left whose max_tokens fits next to P joins it; repeat (every group
+        must hold the longest prompt left, and this one holds all that could join it). Each
+        request fits in a group of its own, so every validated request is admitted; groups go in
+        the order of their first request, each in FIFO order."""
+        room = self.max_len - self.num_draft_tokens - 1
+        left, groups = list(joining), []
+        while left:
+            longest = max(left, key=lambda rh: len(rh[1].request.prompt))
+            width = len(longest[1].request.prompt)
+            group = [rh for rh in left if rh is longest or width + rh[1].request.max_tokens <= room]
+            groups.append(group)
+            left = [rh for rh in left if all(rh is not g for g in group)]
+        return sorted(groups, key=lambda g: joining.index(g[0]))  # FIFO: by each group's first request
+
+    def _prefill(self, decoder: Decoder, group: list) -> None:
+        """One prefill of a group's rows (Decoder.admit), then delivery of their first tokens. If
+        it raises, the group's requests end with "error" and the engine serves on (``_fail``)."""
+        for r, h in group:
             self._handles[r] = h
-            decoder.policy.set_request(r, h.request)
         with self._state_lock:
-            self.metrics["requests"] += len(joining)
-        kept = decoder.admit(idx, ids, mask, positions, [h.request.max_tokens for _, h in joining],
-                             [h.request.adapter for _, h in joining])
+            self.metrics["requests"] += len(group)
+        try:
+            device = self.inner.device
+            width = max(len(h.request.prompt) for _, h in group)
+            ids = torch.full((len(group), width), self.pad_id, dtype=torch.long, device=device)
+            mask = torch.zeros_like(ids)
+            for i, (_, h) in enumerate(group):  # left-padded: a row's slots follow its own positions
+                n = len(h.request.prompt)
+                ids[i, width - n:] = torch.tensor(h.request.prompt, device=device)
+                mask[i, width - n:] = 1
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            for r, h in group:
+                decoder.policy.set_request(r, h.request)
+            kept = decoder.admit([r for r, _ in group], ids, mask, positions, [h.request.max_tokens for _, h in group],
+                                 [h.request.adapter for _, h in group])
+        except Exception as e:  # noqa: BLE001 - only the group is involved; the rows decoding go on
+            self._fail(decoder, group, "prefill", e)
+            return
         self._deliver(decoder, kept)
 
     def _deliver(self, decoder: Decoder, kept: list[int]) -> None:
         rows = decoder.rows
-        # The committed tokens of every row in one copy to the host (one device sync, not one per row).
-        tokens = rows.tokens[: len(kept)].tolist() if any(kept) else None
+        try:
+            # The committed tokens of every row in one copy to the host (one device sync, not one per row).
+            tokens = rows.tokens[: len(kept)].tolist() if any(kept) else None
+        except Exception as e:  # noqa: BLE001 - every row with tokens is involved
+            self._fail(decoder, [(r, self._handles[r]) for r, n in enumerate(kept) if self._handles[r] is not None],
+                       "delivery", e)
+            return
         with self._state_lock:
             self.metrics["tokens"] += sum(n for r, n in enumerate(kept) if self._handles[r] is not None)
         for r, n in enumerate(kept):
             h = self._handles[r]
             if h is None:
                 continue
-            if n:
-                end = rows.plen_h[r] + rows.gen_h[r]
-                try:
-                    stop = h._put(tokens[r][end - n : end])
-                except Exception as e:  # noqa: BLE001 - the request's own callback failed: only it ends
-                    rows.done_h[r] = True
-                    self._release(decoder, r, "error", f"on_tokens raised {type(e).__name__}: {e}")
-                    continue
-                if stop:
-                    rows.done_h[r] = True
-                    self._release(decoder, r, "stop")
-                    continue
-            if rows.done_h[r]:
-                reason = "length" if rows.gen_h[r] >= rows.max_new_h[r] and rows.stop_at[r] is None else "stop"
-                self._release(decoder, r, reason)
+            try:
+                if n:
+                    end = rows.plen_h[r] + rows.gen_h[r]
+                    try:
+                        stop = h._put(tokens[r][end - n : end])
+                    except Exception as e:  # noqa: BLE001 - the request's own callback failed: only it ends
+                        rows.done_h[r] = True
+                        self._release(decoder, r, "error", f"on_tokens raised {type(e).__name__}: {e}")
+                        continue
+                    if stop:
+                        rows.done_h[r] = True
+                        self._release(decoder, r, "stop")
+                        continue
+                if rows.done_h[r]:
+                    reason = "length" if rows.gen_h[r] >= rows.max_new_h[r] and rows.stop_at[r] is None else "stop"
+                    self._release(decoder, r, reason)
+            except Exception as e:  # noqa: BLE001 - only this row is involved
+                self._fail(decoder, [(r, h)], "delivery", e)
+
+    def _fail(self, decoder: Decoder, involved: list, stage: str, error: Exception) -> None:
+        """An unexpected exception in ``stage`` (called in its ``except``): the ``involved``
+        (row, handle) pairs end with "error" and their rows are freed and reset, so the next
+        admission starts them afresh; the other rows and the engine go on. If resetting fails too,
+        the engine fails (``_run``)."""
+        logger.exception("hf_invisiblelora engine: %s failed; ending %d request(s), serving on", stage, len(involved))
+        message = f"the engine failed in {stage}: {type(error).__name__}: {error}"
+        with self._state_lock:
+            self.metrics["failed_cycles"] += 1
+            self.metrics["failed_requests"] += sum(h is not None and h.finish_reason is None for _, h in involved)
+        try:
+            rows, room = decoder.rows, self.max_len - self.num_draft_tokens - 1
+            for r, h in involved:  # a free row rides along in cycles: keep its slots in range, whatever was half-done
+                rows.done_h[r], rows.stop_at[r] = True, None
+                rows.gen_h[r], rows.plen_h[r] = 0, min(max(rows.plen_h[r], 1), room)
+                decoder.names[r] = None
+                if self._handles[r] is h:
+                    self._handles[r] = None
+                decoder.policy.release(r)
+            rows.sync()
+            decoder.lora.set_rows(decoder.names)
+            decoder.fwd.set_rows(decoder.names)
+        finally:  # the requests learn they failed even if the reset fails (and with it the engine)
+            for r, h in involved:
+                if h is not None:
+                    h.drafted, h.accepted = decoder.drafted[r], decoder.accepted[r]
+                    h._finish("error", message)
 
     def _drop_cancelled(self, decoder: Decoder) -> None:
         with self._wake:
@@ -471,4 +569,5 @@ class Engine:
         h.drafted, h.accepted = decoder.drafted[r], decoder.accepted[r]
         self._handles[r] = None
         decoder.names[r] = None
+        decoder.policy.release(r)
         h._finish(reason, error)

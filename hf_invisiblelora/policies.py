@@ -76,6 +76,10 @@ class RequestPolicy:
         self.generators[r] = torch.Generator(device=self.device).manual_seed(seed)
         self.noise[r], self.drawn[r] = {}, 0
 
+    def release(self, r: int) -> None:
+        """Forget row r's request (its settings, generator and noise); the next one sets its own."""
+        self.settings[r], self.generators[r], self.noise[r], self.drawn[r] = None, None, {}, 0
+
     def _gumbel(self, r: int, position: int, vocab: int):
         noise = self.noise[r]
         while self.drawn[r] <= position:

@@ -365,6 +365,13 @@ class Metrics:
         yield CounterMetricFamily("hf_invisiblelora_requests", "Requests admitted into a row of the engine.",
                                   value=m.get("requests", 0))
         yield CounterMetricFamily("hf_invisiblelora_cycles", "Decoder cycles run by the engine.", value=m.get("cycles", 0))
+        yield CounterMetricFamily("hf_invisiblelora_failed_cycles",
+                                  "Engine steps (a prefill, a decoder cycle, a delivery) that raised; the engine "
+                                  "served on.",
+                                  value=m.get("failed_cycles", 0))
+        yield CounterMetricFamily("hf_invisiblelora_failed_requests",
+                                  "Requests ended with an error by a failed engine step they were in.",
+                                  value=m.get("failed_requests", 0))
         yield GaugeMetricFamily("hf_invisiblelora_queue_length", "Requests waiting for a row.",
                                 value=self.engine.queue_length())
         yield GaugeMetricFamily("hf_invisiblelora_running_rows", "Rows decoding a request.", value=self.engine.running())

@@ -271,3 +271,153 @@ def test_unloading_an_unknown_adapter_is_refused():
         assert engine.submit(Request([3, 4], adapter="b", max_tokens=2, temperature=0)).result(30)
     finally:
         engine.stop()
+
+
+def quiet(engine, timeout=30):
+    """Wait until the engine holds no request; then its rows are all free and their state dropped."""
+    deadline = time.monotonic() + timeout
+    while engine.running() or engine.queue_length():
+        assert time.monotonic() < deadline, "the engine did not go idle"
+        time.sleep(0.005)
+    decoder = engine._decoder
+    assert all(decoder.rows.done_h) and decoder.names == [None] * engine.max_batch
+    assert decoder.policy.settings == [None] * engine.max_batch and engine._handles == [None] * engine.max_batch
+
+
+def test_requests_admitted_together_fit_their_rows(model, monkeypatch):
+    """Regression: a long prompt with a short budget and a short prompt with a long budget (each
+    valid) admitted in the same cycle were left-padded together; the short one's padded width +
+    max_tokens + K + 1 overflowed max_len (an IndexError in the layout) and the engine's thread
+    died: both failed and every later submit raised NotRunning. Now they are prefilled in groups
+    whose rows fit; one that fits beside the long prompt joins its group."""
+    from hf_invisiblelora.decoding import Decoder
+
+    groups = []
+    admit = Decoder.admit
+
+    def spy(self, idx, *args, **kw):
+        groups.append(list(idx))
+        return admit(self, idx, *args, **kw)
+
+    monkeypatch.setattr(Decoder, "admit", spy)
+    g = torch.Generator().manual_seed(9)
+    engine = Engine(model, max_batch=4, max_len=64, num_draft_tokens=4, gate="always").start()
+    try:
+        limit = engine.max_request_tokens  # 64 - 4 - 1
+        jobs = [(random_prompt(g, 50), "a", 5), (random_prompt(g, 2), "b", limit - 2), (random_prompt(g, 3), "c", 6)]
+        with engine._wake:  # queued together: admitted in one cycle
+            handles = [engine.submit(Request(p, adapter=a, max_tokens=m, temperature=0)) for p, a, m in jobs]
+        for (prompt, name, m), h in zip(jobs, handles):
+            assert h.result(120) == standalone(model, prompt, name, m) and h.error is None
+        assert groups == [[0, 2], [1]]  # the fewest groups, in FIFO order of their first request
+        assert engine.alive and engine.metrics["failed_cycles"] == 0
+        prompt = random_prompt(g, 4)
+        assert engine.submit(Request(prompt, adapter="d", max_tokens=7, temperature=0)).result(60) == \
+            standalone(model, prompt, "d", 7)
+        quiet(engine)
+    finally:
+        engine.stop()
+
+
+def test_a_failing_step_ends_only_its_requests(model, monkeypatch, caplog):
+    """An unexpected exception in a prefill ends the requests of that prefill, one in a cycle the
+    requests in that cycle, one in a delivery that request: each with "error", logged and counted;
+    the rows are freed and reset, the other requests go on, and later requests decode exactly."""
+    import logging
+
+    from hf_invisiblelora import decoding, engine as engine_module, layout
+
+    armed = set()
+
+    def once(stage, fn, when=lambda *a, **kw: True):
+        def wrapper(*args, **kw):
+            if stage in armed and when(*args, **kw):
+                armed.discard(stage)
+                raise RuntimeError(f"injected {stage} failure")
+            return fn(*args, **kw)
+        return wrapper
+
+    monkeypatch.setattr(layout.RowLayout, "load", once("prefill", layout.RowLayout.load))
+    monkeypatch.setattr(decoding, "verify", once("cycle", decoding.verify, lambda fwd, rows, *a: len(rows.active) == 2))
+    monkeypatch.setattr(engine_module.Handle, "_finish",
+                        once("finish", engine_module.Handle._finish, lambda h, *a: h.request.max_tokens == 3))
+
+    reached, release = {0: threading.Event(), 2: threading.Event()}, {0: threading.Event(), 2: threading.Event()}
+    chunks = []
+
+    def pause(tokens):  # A's callback holds the engine's thread at its chunks 0 and 2
+        i = len(chunks)
+        chunks.append(tokens)
+        if i in reached:
+            reached[i].set()
+            assert release[i].wait(60)
+        return False
+
+    g = torch.Generator().manual_seed(10)
+    prompts = [random_prompt(g, n) for n in (3, 5, 4, 6, 2, 7)]
+    engine = Engine(model, max_batch=3, max_len=64, num_draft_tokens=2, gate="always").start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="hf_invisiblelora"):
+            a = engine.submit(Request(prompts[0], adapter="a", max_tokens=40, temperature=0, on_tokens=pause))
+            assert reached[0].wait(60)
+            armed.add("prefill")
+            b = engine.submit(Request(prompts[1], adapter="b", max_tokens=10, temperature=0))
+            release[0].set()
+            assert b.result(60) == [] and b.finish_reason == "error" and "prefill" in b.error and "injected" in b.error
+            assert reached[2].wait(60)  # A is still decoding
+            armed.add("cycle")
+            c = engine.submit(Request(prompts[2], adapter="__base__", max_tokens=30, temperature=0.8, seed=3))
+            release[2].set()
+            for h in (a, c):  # both were in the cycle that failed
+                h.result(60)
+                assert h.finish_reason == "error" and "decoding" in h.error
+            assert a.tokens == standalone(model, prompts[0], "a", 40)[: len(a.tokens)] and len(a.tokens) < 40
+            assert not armed
+            armed.add("finish")
+            d = engine.submit(Request(prompts[3], adapter="c", max_tokens=3, temperature=0))
+            e = engine.submit(Request(prompts[4], adapter="d", max_tokens=9, temperature=0))
+            assert d.result(60) == standalone(model, prompts[3], "c", 3) and d.finish_reason == "error"
+            assert "delivery" in d.error
+            assert e.result(60) == standalone(model, prompts[4], "d", 9) and e.finish_reason == "length"
+        logged = [r for r in caplog.records if "failed;" in r.getMessage()]
+        assert [r.getMessage().split(" failed")[0].split()[-1] for r in logged] == ["prefill", "decoding", "delivery"]
+        assert all(r.exc_info for r in logged)  # with the traceback
+        assert engine.alive
+        m = engine.metrics_snapshot()
+        assert m["failed_cycles"] == 3 and m["failed_requests"] == 4  # B; A and C; D
+        quiet(engine)
+        # The failed rows start afresh: every row, with every kind of request, decodes exactly.
+        jobs = [(prompts[i % 6], NAMES[i % 5], 4 + i) for i in range(5)]
+        handles = [engine.submit(Request(p, adapter=n, max_tokens=t, temperature=0)) for p, n, t in jobs]
+        for (p, n, t), h in zip(jobs, handles):
+            assert h.result(60) == standalone(model, p, n, t) and h.finish_reason == "length"
+        seeded = engine.submit(Request(prompts[2], adapter="__base__", max_tokens=30, temperature=0.8, seed=3))
+        assert seeded.result(60) and seeded.finish_reason in ("length", "stop")
+        assert c.tokens == seeded.tokens[: len(c.tokens)]  # C's noise was its own
+        quiet(engine)
+        assert engine.metrics_snapshot()["failed_cycles"] == 3
+    finally:
+        for event in release.values():
+            event.set()
+        engine.stop()
+    alone = Engine(model, max_batch=1, max_len=64, num_draft_tokens=2, gate="always").start()  # after: one lock
+    try:
+        assert seeded.tokens == alone.submit(Request(prompts[2], adapter="__base__", max_tokens=30, temperature=0.8,
+                                                     seed=3)).result(60)
+    finally:
+        alone.stop()
+
+
+def test_failures_are_in_the_metrics_endpoint(model):
+    """/metrics exports the engine's failed steps and requests (serve.Metrics reads engine.metrics)."""
+    pytest.importorskip("fastapi")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hf_invisiblelora.serve import Metrics
+
+    engine = Engine(model, max_batch=1, max_len=32)
+    engine.metrics.update(failed_cycles=2, failed_requests=3)
+    text = Metrics(engine, "tiny").render()[0].decode()
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert values["hf_invisiblelora_failed_cycles_total"] == 2
+    assert values["hf_invisiblelora_failed_requests_total"] == 3
