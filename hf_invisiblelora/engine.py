@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .adapters import SWITCHES, bank_inexact
-from .checks import BASE, check_model
+from .checks import BASE, check_adapter_state, check_model
 from .decoding import Decoder
 from .forward import EagerForward
 from .gate import Gate
@@ -159,6 +159,7 @@ class Engine:
     def __init__(self, model, max_batch: int = 8, max_len: int = 1024, num_draft_tokens: int = 4,
                  gate: str = "auto", max_queue: int = 1024):
         check_model(model)
+        check_adapter_state(model, [], mixed=True)  # no dropout in training mode anywhere
         inner = model.get_base_model()
         if any(length_dependent(m) for m in inner.modules()):
             raise ValueError("The serving engine does not support rotary embeddings that depend on the sequence "

@@ -38,9 +38,10 @@ class DecodingStats:
         return sum(1 for k in self.k_per_cycle if k == 0) if self.max_draft_tokens else 0
 
     @property
-    def acceptance_rate(self) -> float:
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens; None when nothing was drafted (not "every draft rejected")."""
         drafted = sum(self.drafted)
-        return sum(self.accepted) / drafted if drafted else 0.0
+        return sum(self.accepted) / drafted if drafted else None
 
     @property
     def tokens_per_cycle(self) -> float:
@@ -59,7 +60,7 @@ class DecodingStats:
             s["committed"] += c
             s["cycles"] += n
         for s in out.values():
-            s["acceptance"] = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
+            s["acceptance"] = s["accepted"] / s["drafted"] if s["drafted"] else None
             s["tokens_per_cycle"] = (s["committed"] - s["rows"]) / s["cycles"] if s["cycles"] else 0.0
         return out
 
@@ -82,12 +83,17 @@ class DecodingStats:
     def summary(self) -> str:
         lines = [
             f"cycles {self.cycles} (draft passes {self.draft_passes}, "
-            f"gate skipped drafting {self.gate_skips}x); acceptance {self.acceptance_rate:.1%}; "
+            f"gate skipped drafting {self.gate_skips}x); acceptance {rate(self.acceptance_rate)}; "
             f"{self.tokens_per_cycle:.2f} tokens per row and cycle"
         ]
         for name, s in self.per_adapter.items():
             lines.append(
                 f"  {name:>16}: rows {s['rows']}, drafted {s['drafted']}, accepted {s['accepted']} "
-                f"({s['acceptance']:.1%}), committed {s['committed']} ({s['tokens_per_cycle']:.2f} per row and cycle)"
+                f"({rate(s['acceptance'])}), committed {s['committed']} ({s['tokens_per_cycle']:.2f} per row and cycle)"
             )
         return "\n".join(lines)
+
+
+def rate(acceptance: float | None) -> str:
+    """An acceptance rate for people: a percentage, or "no drafts" when nothing was drafted."""
+    return "no drafts" if acceptance is None else f"{acceptance:.1%}"

@@ -125,6 +125,10 @@ def corpus_vocabulary(model: str, tokenizer, size: int) -> list[int]:
     return sorted(i for i, _ in counts.most_common(size))
 
 
+def _rounded(acceptance: float | None) -> float | None:
+    return None if acceptance is None else round(acceptance, 4)  # None: nothing drafted
+
+
 def measure_acceptance(model: str = "smollm2", prompts_per_adapter: int = 4, prompt_tokens: int = 48,
                        new_tokens: int = 32, draft_tokens: int = 4) -> dict:
     """Greedy acceptance of every adapter with ``invisible_lora=True``, on held-out prompts of its
@@ -148,8 +152,8 @@ def measure_acceptance(model: str = "smollm2", prompts_per_adapter: int = 4, pro
     result = {
         "prompts_per_adapter": prompts_per_adapter, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
         "num_draft_tokens": draft_tokens, "batch": len(rows), "seconds": round(seconds, 1),
-        "overall": round(out.stats.acceptance_rate, 4),
-        "per_adapter": {n: round(s["acceptance"], 4) for n, s in out.stats.per_adapter.items()},
+        "overall": _rounded(out.stats.acceptance_rate),
+        "per_adapter": {n: _rounded(s["acceptance"]) for n, s in out.stats.per_adapter.items()},
         "drafted_accepted": {n: [s["drafted"], s["accepted"]] for n, s in out.stats.per_adapter.items()},
     }
     folder = zoo_dir(model)
@@ -172,6 +176,8 @@ def table(manifest: dict) -> str:
                 f"{e['base_loss']:.3f} -> {e['adapter_loss']:.3f} | {e['train_seconds']:.0f} |")
         if acc:
             drafted, accepted = counts.get(name, (None, None))
-            line += (f" {acc[name]:.2f}" + (f" ({accepted}/{drafted})" if drafted else "") if name in acc else "") + " |"
+            value = acc.get(name)
+            line += (" no drafts" if name in acc and value is None else
+                     f" {value:.2f}" + (f" ({accepted}/{drafted})" if drafted else "") if name in acc else "") + " |"
         lines.append(line)
     return "\n".join(lines)
