@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 
+from ..threads import set_threads
 from .assets import EXIT_UNAVAILABLE, MODELS, AssetUnavailable, log_to_stderr, prepare
 from .recipes import ZOOS
 from .store import build, measure_acceptance, read_manifest, table, zoo_dir
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--only", nargs="+", metavar="NAME")
     args = parser.parse_args(argv)
     log_to_stderr()
+    if args.cmd in ("build", "accept"):
+        print(set_threads(), file=sys.stderr)  # training and decoding: no more threads than free CPUs
     try:
         if args.cmd == "prepare":
             for name in args.models:

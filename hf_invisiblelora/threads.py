@@ -1,0 +1,56 @@
+"""How many threads torch's CPU ops use in our commands (demo, zoo training, notebook, server).
+
+torch's default is one thread per CPU. On a machine where other work runs, that oversubscribes
+it: OpenMP's threads wait for each other at every parallel region while the other work holds a
+core, and a step takes several times longer (measured on 2 shared cores: adapter training 28-42 s
+a step with 2 threads against 4.8 s with 1; docs/zoo.md). So the commands take the CPUs that are
+free now (the CPUs this process may run on, less those other processes kept busy over a fifth of
+a second; at least one), unless told (``--threads`` or ``OMP_NUM_THREADS``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+
+def _busy_jiffies() -> tuple[int, int] | None:
+    """(busy, total) CPU time of the whole machine so far, from /proc/stat (Linux), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def free_cpus(window: float = 0.2) -> tuple[int, int, float]:
+    """(free CPUs, CPUs this process may use, CPUs other work keeps busy). Busy CPUs are measured
+    over ``window`` seconds while this process sleeps (the load average would still count work
+    that ended a minute ago); where /proc/stat is missing, the 1-minute load average stands in."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    before = _busy_jiffies()
+    if before is not None:
+        time.sleep(window)
+        after = _busy_jiffies()
+        busy = (after[0] - before[0]) / max(1, after[1] - before[1]) * (os.cpu_count() or cpus)
+    else:
+        busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, min(cpus, round(cpus - busy))), cpus, busy
+
+
+def set_threads(requested: int | None = None) -> str:
+    """Set torch's thread count (``requested``, else ``OMP_NUM_THREADS``, else the free CPUs) and
+    say which, and why, in one line."""
+    if requested:
+        why = "as asked"
+    elif os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        requested, why = int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
+    else:
+        requested, cpus, busy = free_cpus()
+        why = f"the free ones of {cpus} CPUs, {busy:.1f} busy with other work; OMP_NUM_THREADS or --threads choose"
+    torch.set_num_threads(requested)
+    return f"torch uses {requested} thread{'s' if requested > 1 else ''} ({why})"
