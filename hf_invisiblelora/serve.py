@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -780,6 +781,18 @@ def load_zoo_model(name: str, adapters: list[str] | None, dtype: str):
     return model, tokenizer, str(zoo.assets.prepare(name))
 
 
+def missing(option: str, path: str, needed: str, what: str) -> str | None:
+    """Why ``path`` (given as ``option``) is not the local folder it must be (``what``, holding the
+    file ``needed``), or None. Checked before loading: PEFT and Transformers would take a missing
+    folder for a Hub repo id."""
+    folder = os.path.expanduser(path)
+    if not os.path.isdir(folder):
+        return f"{option}: {path} is not a folder"
+    if not os.path.isfile(os.path.join(folder, needed)):
+        return f"{option}: {path} has no {needed} ({what})"
+    return None
+
+
 def parse_lora(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
@@ -804,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-draft-tokens", type=int, default=4, help="the most tokens drafted per cycle (K)")
     p.add_argument("--gate", default="auto", choices=("auto", "always", "never"))
     p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: OMP_NUM_THREADS, else the free CPUs)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     args = p.parse_args(argv)
 
@@ -814,10 +827,17 @@ def main(argv: list[str] | None = None) -> int:
     import hf_invisiblelora  # noqa: F401
 
     from .engine import Engine
+    from .threads import set_threads
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    problems = [missing(f"--lora {name}={path}", path, "adapter_config.json", "a PEFT adapter folder")
+                for name, path in args.lora]
+    if args.model:
+        problems.insert(0, missing("--model", args.model, "config.json", "a Transformers model folder"))
+    if any(problems):
+        print(f"error: {next(p for p in problems if p)}", file=sys.stderr)
+        return 2
+    logger.info(set_threads(args.threads))
     if args.zoo:
         from .zoo import AssetUnavailable
         from .zoo.assets import EXIT_UNAVAILABLE

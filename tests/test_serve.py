@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_invisiblelora.testing import tiny_peft, tiny_tokenizer
 
-ADAPTERS = ("a", "b", "c")
+ADAPTERS = ("s", "b", "c")
 BASE_ID = "tiny"  # --served-model-name: the base model's id (no adapter)
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -34,7 +34,7 @@ MAX_LEN = 1024
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """A tiny float32 Llama, its adapters a, b, c, a spare adapter (for loading while serving) and a
+    """A tiny float32 Llama, its adapters s, b, c, a spare adapter (for loading while serving) and a
     tokenizer with a chat template, saved as a user's files would be."""
     root = tmp_path_factory.mktemp("serve")
     model = tiny_peft("llama", adapters=ADAPTERS, strength=0.6, dtype=torch.float32)
@@ -50,9 +50,9 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(files):
-    """The same saved files loaded in this process: (model with adapters a, b, c and "new", tokenizer)."""
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(files / "base"), files / "adapters" / "a",
-                                      adapter_name="a")
+    """The same saved files loaded in this process: (model with adapters s, b, c and "new", tokenizer)."""
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(files / "base"), files / "adapters" / "s",
+                                      adapter_name="s")
     for name in ADAPTERS[1:]:
         model.load_adapter(files / "adapters" / name, adapter_name=name)
     model.load_adapter(files / "spare" / "d", adapter_name="new")
@@ -180,7 +180,7 @@ def test_models_and_health(server, client):
 
 def test_completion_and_chat_equal_generate(client, reference):
     tok = reference[1]
-    for adapter in ("a", BASE_ID):
+    for adapter in ("s", BASE_ID):
         r = client.completions.create(model=adapter, prompt=TEXTS[0], max_tokens=12, temperature=0)
         ids = tok(TEXTS[0])["input_ids"]
         check_choice(r.choices[0], r.usage, generate(reference, ids, adapter, 12), len(ids), 12)
@@ -202,8 +202,8 @@ def test_streaming(client):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
 
     messages = [{"role": "user", "content": "once upon a time"}]
-    whole = client.chat.completions.create(model="a", messages=messages, max_tokens=9, temperature=0)
-    chunks = list(client.chat.completions.create(model="a", messages=messages, max_tokens=9, temperature=0,
+    whole = client.chat.completions.create(model="s", messages=messages, max_tokens=9, temperature=0)
+    chunks = list(client.chat.completions.create(model="s", messages=messages, max_tokens=9, temperature=0,
                                                  stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
@@ -276,7 +276,7 @@ def assert_error(e, status, code=None):
 
 
 def test_bad_input(server, client):
-    kw = dict(model="a", prompt="hello", max_tokens=4)
+    kw = dict(model="s", prompt="hello", max_tokens=4)
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(**{**kw, "model": "nope"})
     assert_error(e.value, 404, "model_not_found")
@@ -296,7 +296,7 @@ def test_bad_input(server, client):
         client.completions.create(**kw, extra_body={"top_k": -3})
     assert_error(e.value, 400)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="a", messages=[])
+        client.chat.completions.create(model="s", messages=[])
     for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):
         status, body = request(server, "/v1/completions", raw=raw)
         assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
@@ -319,9 +319,9 @@ def long_prompt(client, model, max_tokens=900):
 
 
 def test_client_disconnect_frees_the_row(server, client):
-    prompt = long_prompt(client, "a")
+    prompt = long_prompt(client, "s")
     before = metrics(server)
-    stream = client.completions.create(model="a", prompt=prompt, max_tokens=900, temperature=0, stream=True)
+    stream = client.completions.create(model="s", prompt=prompt, max_tokens=900, temperature=0, stream=True)
     next(iter(stream))
     stream.close()  # the client goes away after its first chunk
     after = wait_idle(server)
@@ -331,7 +331,7 @@ def test_client_disconnect_frees_the_row(server, client):
     assert after[generated] - before[generated] < 900  # it stopped early
     # A non-streaming client that gives up (a timeout) is noticed as well.
     with pytest.raises(openai.APITimeoutError):
-        client.with_options(timeout=0.3).completions.create(model="a", prompt=prompt, max_tokens=900, temperature=0)
+        client.with_options(timeout=0.3).completions.create(model="s", prompt=prompt, max_tokens=900, temperature=0)
     again = wait_idle(server)
     assert again.get(cancelled, 0) - before.get(cancelled, 0) == 2
     assert again[generated] - after[generated] < 900
@@ -346,7 +346,7 @@ def test_adapters_load_and_unload_while_serving(server, client, files, reference
     r = client.completions.create(model="new", prompt=ids, max_tokens=8, temperature=0)
     check_choice(r.choices[0], r.usage, generate(reference, ids, "new", 8), len(ids), 8)
     # Refused: a taken name, a folder without an adapter.
-    assert request(server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(files / "spare" / "d")})[0] == 400
+    assert request(server, "/v1/load_lora_adapter", {"lora_name": "s", "lora_path": str(files / "spare" / "d")})[0] == 400
     assert request(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(files / "nowhere")})[0] == 400
     # Unloading while a request uses it: 409; once it is gone (the client disconnected): unloaded.
     prompt = long_prompt(client, "new")
@@ -429,3 +429,16 @@ def test_text_stream_never_splits_characters_and_cuts_at_stop_strings(byte_token
             assert stopped_at == min(len(ids), -(-n // chunk) * chunk)
         else:
             assert stream.completion_tokens == len(ids)
+
+
+@pytest.mark.parametrize("flag", ["lora", "model"])
+def test_a_bad_path_at_start_is_one_line_and_exit_2(files, tmp_path, flag):
+    """A missing folder (which PEFT or Transformers would take for a Hub repo id) is named in one
+    line, before anything loads, and the server exits with status 2."""
+    gone = tmp_path / "no_such_folder"
+    model, lora = (files / "base", gone) if flag == "lora" else (gone, files / "adapters" / "s")
+    res = subprocess.run([sys.executable, "-P", "-m", "hf_invisiblelora.serve", "--model", str(model),
+                          f"--lora=s={lora}"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(gone) in lines[0] and "not a folder" in lines[0], res.stderr
