@@ -14,20 +14,32 @@
 import os
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
+# Quiet what is not this notebook's to fix: tqdm's note that ipywidgets are missing (importing
+# Transformers loads tqdm.auto) and PEFT's call of a deprecated Transformers property.
+warnings.filterwarnings("ignore", message="IProgress not found")
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+import matplotlib.pyplot as plt
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+from transformers.utils import logging as transformers_logging
 
 import hf_invisiblelora  # lets PEFT models' generate() accept invisible_lora=True
+from hf_invisiblelora.stats import rate
+from hf_invisiblelora.threads import set_threads
 from hf_invisiblelora.zoo import assets, corpora
 
 TINY = os.environ.get("HF_INVISIBLELORA_EXAMPLE_TINY") == "1"
 STEPS = 4 if TINY else 20  # training steps per adapter, of BATCH x BLOCK tokens
 BATCH, BLOCK = 4, 64
 OUT = Path(tempfile.mkdtemp()) if TINY else assets.home() / "examples" / "finetune_and_serve"
-torch.manual_seed(0)
+transformers_logging.disable_progress_bar()  # no loading bars (they need ipywidgets in a notebook)
+print(set_threads())  # the CPUs other work leaves free: more threads than that slow every step
+_ = torch.manual_seed(0)
 
 # %% [markdown]
 # ## The base model and the two domains
@@ -96,6 +108,22 @@ model.eval()
 print(list(model.peft_config))
 
 # %% [markdown]
+# ## What fine-tuning changed
+# The same prompt with each adapter and without one (`"__base__"`), in one batch.
+
+# %%
+probes = {"shakespeare": "Enter the King and Queene.\n", "python_code": "def read_config(path):\n"}
+pairs = [(name, prompt) for name, prompt in probes.items() for _ in range(2)]
+enc = tok([prompt for _, prompt in pairs], return_tensors="pt", padding=True)
+names = [name if i % 2 == 0 else "__base__" for i, (name, _) in enumerate(pairs)]
+with torch.no_grad():
+    out = model.generate(**enc, adapter_names=names, invisible_lora=True, do_sample=False, max_new_tokens=24,
+                         pad_token_id=tok.pad_token_id)
+width = enc["input_ids"].shape[1]
+for name, (_, prompt), row in zip(names, pairs, out):
+    print(f"{name:>12} {prompt!r} -> {tok.decode(row[width:], skip_special_tokens=True)!r}")
+
+# %% [markdown]
 # ## Serve one mixed batch with `invisible_lora=True`
 # One adapter per row (`"__base__"` = no adapter). Greedy, so the output must equal standard
 # multi-adapter `generate()`.
@@ -122,6 +150,44 @@ assert torch.equal(out.sequences, standard), "greedy InvisibleLoRA must match st
 print(f"same text as standard generate; {standard_s / fast_s:.2f}x its speed")
 
 # %% [markdown]
+# ## Tokens/s and acceptance per adapter
+# Each adapter's rows alone (and rows without adapter): standard `generate()` against
+# `invisible_lora=True`, and how many of the base model's drafts the adapter accepts (drafting
+# every cycle, `gate="always"`, so that every adapter is measured).
+
+# %%
+per_adapter = {}
+for name in ("shakespeare", "python_code", "__base__"):
+    rows = [p for p, n in zip(prompts, adapter_names) if n == name]
+    enc = tok(rows * 2, return_tensors="pt", padding=True)
+    gen = dict(adapter_names=[name] * len(rows) * 2, do_sample=False, max_new_tokens=24, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        times = {}
+        for way, options in (("standard", {}), ("invisible_lora", dict(invisible_lora=True))):
+            start = time.perf_counter()
+            model.generate(**enc, **gen, **options)
+            times[way] = time.perf_counter() - start
+        drafted = model.generate(**enc, **gen, invisible_lora=True, gate="always", return_dict_in_generate=True)
+    tokens = sum(drafted.stats.committed)  # the same tokens all three ways (greedy)
+    per_adapter[name] = dict(**{way: tokens / t for way, t in times.items()}, acceptance=drafted.stats.acceptance_rate)
+    print(f"{name:>12}: " + ", ".join(f"{way} {tokens / t:.0f} tokens/s" for way, t in times.items())
+          + f"; acceptance {rate(drafted.stats.acceptance_rate)}")
+
+fig, (speed, accept) = plt.subplots(1, 2, figsize=(10, 3.5))
+x = torch.arange(len(per_adapter)).tolist()
+for offset, way in ((-0.2, "standard"), (0.2, "invisible_lora")):
+    speed.bar([i + offset for i in x], [v[way] for v in per_adapter.values()], width=0.4, label=way)
+speed.set(xticks=x, xticklabels=list(per_adapter), ylabel="tokens/s", title="Throughput (greedy, 24 new tokens)")
+accept.bar(x, [100 * (v["acceptance"] or 0) for v in per_adapter.values()], width=0.5, color="tab:green")
+accept.set(xticks=x, xticklabels=list(per_adapter), ylabel="% of drafts accepted", ylim=(0, 100),
+           title="Acceptance of the base model's drafts")
+fig.legend(*speed.get_legend_handles_labels(), loc="lower left", ncol=2, frameon=False)
+fig.tight_layout(rect=(0, 0.07, 1, 1))  # the legend below the axes, off the bars
+fig.savefig(OUT / "per_adapter.png")
+plt.close(fig)
+fig
+
+# %% [markdown]
 # ## The same through `pipeline("text-generation")`
 # Call kwargs reach `generate()`; the whole list is one batch so `adapter_names` has one name per prompt.
 
@@ -131,4 +197,4 @@ results = pipe(prompts, batch_size=len(prompts), invisible_lora=True, adapter_na
                do_sample=False, max_new_tokens=24, return_full_text=False)
 for name, result in zip(adapter_names, results):
     print(f"[{name}] {result[0]['generated_text']!r}")
-print("acceptance", round(hf_invisiblelora.state_of(model).stats.acceptance_rate, 3))
+print("acceptance", rate(hf_invisiblelora.state_of(model).stats.acceptance_rate))
