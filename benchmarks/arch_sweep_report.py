@@ -24,9 +24,9 @@ from hf_invisiblelora.testing import causal_lm_architectures, classify, dynamic_
 HEADER = """# Supported architectures
 
 Every causal LM in Transformers' auto mapping (transformers {version}), as a tiny random model derived
-from its default config (`hf_invisiblelora/testing.py`) with two PEFT LoRA adapters ("a":
+from its default config (`hf_invisiblelora/testing.py`) with two PEFT LoRA adapters ("s":
 all linear layers PEFT can run in a mixed batch, r=4; "b": r=2 on the attention projections). A
-batch of three left-padded prompts with adapters `["a", "__base__", "b"]` decodes 12 tokens greedily
+batch of three left-padded prompts with adapters `["s", "__base__", "b"]` decodes 12 tokens greedily
 with `invisible_lora=True` at K = 1 and K = 3, in float64; sliding windows are 4 tokens, attention
 chunks 8. Verdicts:
 

@@ -75,7 +75,7 @@ def load(kind: str, device: str, dtype: torch.dtype, strength: float, zoo_name: 
 
         tok, model = tiny_tokenizer(), tiny_peft("llama", strength=0.5, dtype=torch.float32)
         texts = ["the quick brown fox", "once upon a time", "hello world", "over the lazy dog"]
-        names = ["a", "b", "c", "d"]
+        names = ["s", "b", "c", "d"]
 
         def prompts_for(name, n, seed):
             return [texts[(seed + i) % 4] for i in range(n)]

@@ -73,7 +73,7 @@ def load(smoke: bool, adapters, device: str, dtype):
         from hf_invisiblelora.testing import tiny_peft, tiny_tokenizer
 
         tok, model = tiny_tokenizer(), tiny_peft("llama", strength=0.5, dtype=torch.float32)
-        names = ["a", "b", "c", "d"]
+        names = ["s", "b", "c", "d"]
         texts = ["the quick brown fox", "once upon a time", "hello world", "over the lazy dog"]
 
         def prompts_for(name, n, seed):

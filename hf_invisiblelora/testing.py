@@ -9,7 +9,7 @@
   ``tiny_config`` derives it from the architecture's default config by rules on attribute names
   (hidden sizes, layer counts, heads, experts, ...), so new architectures are covered without a
   hand-written table; ``sweep_case`` builds it in float64 and wraps it with two PEFT LoRA adapters
-  ("a": all-linear r=4, "b": r=2 on attention-like projections); ``sweep_verdict`` compares
+  ("s": all-linear r=4, "b": r=2 on attention-like projections); ``sweep_verdict`` compares
   ``invisible_lora=True`` with stock. Per-type overrides exist only where a generic rule cannot
   work; each says why.
 """
@@ -58,7 +58,7 @@ ARCHS = {
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Different ranks, targets, alpha and rslora, as public adapters differ.
 ADAPTERS = {
-    "a": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "s": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     "b": dict(r=8, lora_alpha=8, target_modules=LINEAR),
     "c": dict(r=2, lora_alpha=4, use_rslora=True, target_modules=["o_proj", "down_proj"]),
     "d": dict(r=16, lora_alpha=16, target_modules=["up_proj", "v_proj"]),
@@ -82,7 +82,7 @@ def with_adapters(base, adapters: dict, strength: float = 1.0):
     return model.eval()
 
 
-def tiny_peft(arch="llama", vocab=64, adapters=("a", "b", "c", "d"), strength=1.0, seed=0, dtype=torch.float64):
+def tiny_peft(arch="llama", vocab=64, adapters=("s", "b", "c", "d"), strength=1.0, seed=0, dtype=torch.float64):
     """A tiny random model with LoRA adapters: names from ADAPTERS, or a dict {name: LoraConfig kwargs}."""
     torch.manual_seed(seed)
     base = ARCHS[arch](vocab).to(dtype).eval()
@@ -879,16 +879,16 @@ _PEFT_MAMBA_TYPES = {"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h
 
 def _wrap(model, targets_a, targets_b, exclude):
     exclude = exclude or None
-    return with_adapters(model, {"a": dict(r=4, lora_alpha=8, target_modules=targets_a, exclude_modules=exclude),
+    return with_adapters(model, {"s": dict(r=4, lora_alpha=8, target_modules=targets_a, exclude_modules=exclude),
                                  "b": dict(r=2, lora_alpha=4, target_modules=targets_b, exclude_modules=exclude)})
 
 
 def wrap_with_lora(model, mixed_batch_safe=True):
-    """(peft_model, note): adapter "a" (all-linear, r=4) and "b" (r=2 on attention-like projections).
+    """(peft_model, note): adapter "s" (all-linear, r=4) and "b" (r=2 on attention-like projections).
 
     With ``mixed_batch_safe``, when PEFT's all-linear lands on layers its mixed-batch forward cannot
     run (fused MoE expert parameters, which PEFT wraps as lora.ParamWrapper, and the layers
-    ``unmixable_modules`` finds), "a" becomes the same targets minus those; the note says which.
+    ``unmixable_modules`` finds), "s" becomes the same targets minus those; the note says which.
     """
     from peft.tuners.lora import ParamWrapper
 
@@ -907,14 +907,14 @@ def wrap_with_lora(model, mixed_batch_safe=True):
                          f"sequence-first): {sorted({n.rsplit('.', 1)[-1] for n in flagged})}")
     pristine = copy.deepcopy(model)  # get_peft_model changes the model in place
     peft_model = _wrap(model, "all-linear", targets_b, exclude + sorted(flagged))
-    params = sorted(peft_model.peft_config["a"].target_parameters or [])
+    params = sorted(peft_model.peft_config["s"].target_parameters or [])
     if params and any(isinstance(m, ParamWrapper) for m in peft_model.modules()):
-        # Rewrap: "a" on the module names PEFT resolved all-linear to, without the parameter targets.
-        resolved = sorted(peft_model.peft_config["a"].target_modules)
+        # Rewrap: "s" on the module names PEFT resolved all-linear to, without the parameter targets.
+        resolved = sorted(peft_model.peft_config["s"].target_modules)
         peft_model = _wrap(pristine, resolved, targets_b, exclude + sorted(flagged))
     dropped = sorted({n.rsplit(".", 1)[-1] for n in flagged})
     parts = ([f"fused expert parameters {params}"] if params else []) + ([f"layers {dropped}"] if dropped else [])
-    note = "adapter a: all-linear without what PEFT cannot run in a mixed batch: " + ", ".join(parts) if parts else ""
+    note = "adapter s: all-linear without what PEFT cannot run in a mixed batch: " + ", ".join(parts) if parts else ""
     return peft_model, note
 
 
@@ -947,7 +947,7 @@ def _short(exc, n=160):
 
 
 # The sweep: each architecture decodes as stock PEFT with invisible_lora=True, or is refused.
-SWEEP_NAMES = ["a", "__base__", "b"]
+SWEEP_NAMES = ["s", "__base__", "b"]
 SWEEP_NEW = 12
 
 

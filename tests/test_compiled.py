@@ -14,7 +14,7 @@ from hf_invisiblelora.bank import get_bank
 from hf_invisiblelora.state import state_of
 from hf_invisiblelora.testing import all_near_ties, divergences, prompts, tiny_peft
 
-ROWS = ["a", "b", "__base__", "c", "d", "a", "b"]  # 7 rows: padded to a bucket of 8
+ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]  # 7 rows: padded to a bucket of 8
 
 
 def generate(model, ids, mask, names, **kw):
@@ -45,7 +45,7 @@ def test_compiled_equals_eager_and_does_not_recompile(model):
 
     # Another call in the same bucket: other prompts, lengths, adapters and batch size (5 -> 8 rows).
     ids2, mask2 = prompts([2, 8, 4, 6, 3], seed=1)
-    rows2 = ["d", "d", "a", "__base__", "c"]
+    rows2 = ["d", "d", "s", "__base__", "c"]
     before = graphs_compiled()
     out2 = generate(model, ids2, mask2, rows2, compile=True, **kw)
     assert graphs_compiled() == before, "a second call in the same bucket must not compile again"
@@ -55,7 +55,7 @@ def test_compiled_equals_eager_and_does_not_recompile(model):
 def test_compiled_passes_follow_adapter_changes(model):
     """The compiled graphs read the adapter bank's current tensors: rescaling an adapter takes effect."""
     ids, mask = prompts([4, 6, 5])
-    names = ["a", "b", "d"]
+    names = ["s", "b", "d"]
     kw = dict(invisible_lora=True, gate="never", compile=True)
     generate(model, ids, mask, names, **kw)
     layers = [m for m in model.modules() if isinstance(m, LoraLayer) and "b" in m.scaling]
@@ -78,7 +78,7 @@ def test_adapter_buckets_compile_once_each(model):
     ids, mask = prompts([4, 6])  # a bucket of 2 rows, which no other test here uses
     kw = dict(invisible_lora=True, gate="never", compile=True)
     seen = []
-    for names in (["a", "a"], ["b", "c"], ["a", "__base__"], ["c", "b"]):
+    for names in (["s", "s"], ["b", "c"], ["s", "__base__"], ["c", "b"]):
         before = graphs_compiled()
         assert torch.equal(generate(model, ids, mask, names, **kw), generate(model, ids, mask, names))
         seen.append(graphs_compiled() - before)
@@ -92,7 +92,7 @@ def test_warm_up_builds_every_pass_of_its_buckets(model):
 
     state_of(model).buckets.clear()
     before = graphs_compiled()
-    warm_up(model, ["a", "b"], batch_size=3, max_length=20, num_draft_tokens=2)
+    warm_up(model, ["s", "b"], batch_size=3, max_length=20, num_draft_tokens=2)
     assert graphs_compiled() - before == 4  # draft, plain, verify of 2 and 3 tokens
     (bucket,) = state_of(model).buckets.values()
     assert sorted(bucket.passes) == [(1, False, None), (1, True, (2, 8)), (2, True, (2, 8)), (3, True, (2, 8))]
@@ -101,8 +101,8 @@ def test_warm_up_builds_every_pass_of_its_buckets(model):
     for key, fn in bucket.passes.items():
         bucket.passes[key] = lambda fn=fn: runs.append(1) or fn()
     ids, mask = prompts([3, 5, 4], seed=2)
-    for names, gate, compile in ((["b", "c", "b"], "always", True), (["a", "a", "c"], "auto", True),
-                                 (["a", "b", "b"], "auto", "auto")):  # "auto": a warmed bucket's passes
+    for names, gate, compile in ((["b", "c", "b"], "always", True), (["s", "s", "c"], "auto", True),
+                                 (["s", "b", "b"], "auto", "auto")):  # "auto": a warmed bucket's passes
         runs.clear()
         out = generate(model, ids, mask, names, invisible_lora=True, gate=gate, num_draft_tokens=2, compile=compile)
         assert torch.equal(out, generate(model, ids, mask, names))
@@ -112,7 +112,7 @@ def test_warm_up_builds_every_pass_of_its_buckets(model):
     for size, new, k in ((5, 10, 2), (3, 60, 2), (3, 10, 4)):
         runs.clear()
         ids, mask = prompts([3, 5, 4, 2, 6][:size], seed=3)
-        kw = dict(input_ids=ids, attention_mask=mask, adapter_names=["a"] * size, do_sample=False, max_new_tokens=new)
+        kw = dict(input_ids=ids, attention_mask=mask, adapter_names=["s"] * size, do_sample=False, max_new_tokens=new)
         assert torch.equal(model.generate(**kw, invisible_lora=True, num_draft_tokens=k), model.generate(**kw))
         assert not runs and graphs_compiled() == before
 
@@ -127,8 +127,8 @@ def test_auto_takes_a_longer_warmed_bucket(model):
     assert key[2:] == (2, 128)
     before = graphs_compiled()
     ids, mask = prompts([4, 6], seed=4)
-    out = generate(model, ids, mask, ["a", "c"], invisible_lora=True, num_draft_tokens=1, return_dict_in_generate=True)
-    assert torch.equal(out.sequences, generate(model, ids, mask, ["a", "c"]))
+    out = generate(model, ids, mask, ["s", "c"], invisible_lora=True, num_draft_tokens=1, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, generate(model, ids, mask, ["s", "c"]))
     assert graphs_compiled() == before and list(state_of(model).buckets) == [key]
     assert out.cache.get_seq_length() == out.sequences.shape[1] - 1
 
@@ -143,14 +143,14 @@ def test_compile_options(model):
     ids, mask = prompts([3, 4])
     for bad in ("yes", 1.5):
         with pytest.raises(ValueError, match="compile must be one of"):
-            generate(model, ids, mask, ["a", "b"], invisible_lora=True, compile=bad)
+            generate(model, ids, mask, ["s", "b"], invisible_lora=True, compile=bad)
     with pytest.raises(ValueError, match="lora_backend='bank'"):
-        generate(model, ids, mask, ["a", "b"], invisible_lora=True, compile=True, lora_backend="peft")
+        generate(model, ids, mask, ["s", "b"], invisible_lora=True, compile=True, lora_backend="peft")
     with pytest.raises(ValueError, match="only apply with invisible_lora=True"):
-        generate(model, ids, mask, ["a", "b"], compile=True)
+        generate(model, ids, mask, ["s", "b"], compile=True)
     # "auto" on the CPU with no warmed-up bucket stays eager: nothing is kept on the model.
     state_of(model).clear()
-    generate(model, ids, mask, ["a", "b"], invisible_lora=True)
+    generate(model, ids, mask, ["s", "b"], invisible_lora=True)
     assert not state_of(model).buckets
     assert get_bank(model)._rows is None and not get_bank(model)._metas
 
@@ -159,7 +159,7 @@ def test_sliding_window_model_compiled():
     """Gemma 3 (window 5, mask per layer type) through a compiled plain pass."""
     model = tiny_peft("gemma3", strength=0.6, dtype=torch.float32)
     ids, mask = prompts([5, 9, 3])
-    names = ["a", "__base__", "d"]
+    names = ["s", "__base__", "d"]
     out = generate(model, ids, mask, names, invisible_lora=True, gate="never", compile=True)
     assert torch.equal(out, generate(model, ids, mask, names))
 
@@ -232,7 +232,7 @@ def test_cuda_graphs_second_call_and_adapter_changes():
     ids, mask = (t.cuda() for t in prompts([5, 9, 3, 7, 9, 1, 6]))
     assert_stock_or_near_ties(model, ids, mask, ROWS, generate(model, ids, mask, ROWS, **kw))
     ids2, mask2 = (t.cuda() for t in prompts([2, 8, 4, 6, 3], seed=1))
-    rows2 = ["d", "d", "a", "__base__", "c"]
+    rows2 = ["d", "d", "s", "__base__", "c"]
     assert_stock_or_near_ties(model, ids2, mask2, rows2, generate(model, ids2, mask2, rows2, **kw))
 
     version = get_bank(model).version

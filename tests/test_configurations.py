@@ -24,11 +24,11 @@ import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.checks import lora_layers
 from hf_invisiblelora.testing import ADAPTERS, COMMON, PAD, prompts, tiny_peft, with_adapters
 
-ROWS = ["a", "b", "__base__", "c", "d", "a", "b"]
+ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]
 LENGTHS = [5, 9, 3, 7, 9, 1, 6]
 
 
-def wrap(base, adapters=("a", "b", "c", "d"), strength=0.6, seed=0, **extra):
+def wrap(base, adapters=("s", "b", "c", "d"), strength=0.6, seed=0, **extra):
     """PEFT adapters (testing.ADAPTERS, random B) on ``base`` in float64; ``extra`` overrides their LoraConfig."""
     torch.manual_seed(seed)
     return with_adapters(base.double().eval(), {n: {**ADAPTERS[n], **extra} for n in adapters}, strength)
@@ -120,7 +120,7 @@ def test_masks_other_than_left_padding(kind):
         ids, mask = prompts([4, 6, 5, 3])
         mask[1, 3] = 0
     ids = ids.masked_fill(mask == 0, PAD)
-    assert_same_as_stock(model, ids, mask, ["a", "b", "__base__", "d"], max_new_tokens=10)
+    assert_same_as_stock(model, ids, mask, ["s", "b", "__base__", "d"], max_new_tokens=10)
 
 
 # 4. Explicit position_ids are used (learned positions make them visible).
@@ -130,7 +130,7 @@ def test_explicit_position_ids_on_learned_positions():
                                       pad_token_id=PAD, eos_token_id=1, bos_token_id=None))
     model = wrap(gpt2, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
     ids, mask = prompts([5, 9, 3, 7])
-    names = ["a", "b", "__base__", "c"]
+    names = ["s", "b", "__base__", "c"]
     positions = (torch.arange(9) + 7).expand(4, 9).clone()
     ref = assert_same_as_stock(model, ids, mask, names, max_new_tokens=10, position_ids=positions)
     assert not torch.equal(ref, stock(model, ids, mask, names, max_new_tokens=10))
@@ -144,7 +144,7 @@ def test_learned_positions_up_to_the_limit():
                                       pad_token_id=PAD, eos_token_id=None, bos_token_id=None))
     model = wrap(gpt2, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
     ids, mask = prompts([5, 9, 3, 7])
-    assert_same_as_stock(model, ids, mask, ["a", "b", "__base__", "c"], max_new_tokens=11, ks=(1, 4))
+    assert_same_as_stock(model, ids, mask, ["s", "b", "__base__", "c"], max_new_tokens=11, ks=(1, 4))
 
 
 # 5. Processors and criteria see the batch index and length standard decoding shows them.
@@ -288,10 +288,10 @@ def test_inside_inference_mode():
 
 def test_lora_on_lm_head():
     torch.manual_seed(0)
-    model = wrap(LlamaForCausalLM(LlamaConfig(vocab_size=64, **COMMON)), adapters=("a", "b"),
+    model = wrap(LlamaForCausalLM(LlamaConfig(vocab_size=64, **COMMON)), adapters=("s", "b"),
                  target_modules=["q_proj", "lm_head"])
     ids, mask = prompts([5, 9, 3])
-    assert_same_as_stock(model, ids, mask, ["a", "__base__", "b"], max_new_tokens=10)
+    assert_same_as_stock(model, ids, mask, ["s", "__base__", "b"], max_new_tokens=10)
 
 
 def test_int32_input_ids():
@@ -335,10 +335,10 @@ def test_alibi_models_are_refused():
     torch.manual_seed(0)
     falcon = FalconForCausalLM(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                             alibi=True, pad_token_id=PAD, eos_token_id=1))
-    model = wrap(falcon, adapters=("a",), target_modules=["query_key_value"])
+    model = wrap(falcon, adapters=("s",), target_modules=["query_key_value"])
     ids, mask = prompts([3, 5])
     with pytest.raises(ValueError, match="ALiBi"):
-        ours(model, ids, mask, names=["a", "a"], max_new_tokens=4)
+        ours(model, ids, mask, names=["s", "s"], max_new_tokens=4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])

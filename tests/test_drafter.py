@@ -7,7 +7,7 @@ import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.state import state_of
 from hf_invisiblelora.testing import chi_square_p, prompts, tiny_peft
 
-ROWS = ["a", "b", "__base__", "c", "d", "a", "b"]
+ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]
 LENGTHS = [5, 9, 3, 7, 9, 1, 6]
 
 
@@ -65,7 +65,7 @@ def test_sampling_with_a_restricted_vocabulary_is_exact():
 def test_token_counts_follow_calls():
     model = tiny_peft("llama", strength=0.6)
     ids, mask = prompts([4, 6])
-    out = model.generate(input_ids=ids, attention_mask=mask, adapter_names=["a", "b"], max_new_tokens=5,
+    out = model.generate(input_ids=ids, attention_mask=mask, adapter_names=["s", "b"], max_new_tokens=5,
                          do_sample=False, invisible_lora=True)
     counts = state_of(model).drafter["token_counts"]
     assert counts.sum() == out.numel() and torch.equal(counts, torch.bincount(out.flatten(), minlength=64))
@@ -78,5 +78,5 @@ def test_bad_options(kw, message):
     model = tiny_peft("llama", strength=0.6)
     ids, mask = prompts([4, 6])
     with pytest.raises(ValueError, match=message):
-        model.generate(input_ids=ids, attention_mask=mask, adapter_names=["a", "b"], max_new_tokens=3,
+        model.generate(input_ids=ids, attention_mask=mask, adapter_names=["s", "b"], max_new_tokens=3,
                        invisible_lora=True, **kw)

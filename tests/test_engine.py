@@ -13,7 +13,7 @@ import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.engine import Engine, Request
 from hf_invisiblelora.testing import chi_square_p, tiny_peft
 
-NAMES = ["a", "b", "__base__", "c", "d"]
+NAMES = ["s", "b", "__base__", "c", "d"]
 
 
 def standalone(model, prompt, adapter, max_tokens, **kw):
@@ -137,7 +137,7 @@ def test_cancel_frees_the_row(model):
             stopped.set()
             return False
 
-        long = engine.submit(Request(random_prompt(g, 3), adapter="a", max_tokens=150, temperature=0,
+        long = engine.submit(Request(random_prompt(g, 3), adapter="s", max_tokens=150, temperature=0,
                                      on_tokens=stop_after_first))
         waiting = engine.submit(Request(random_prompt(g, 3), adapter="b", max_tokens=4, temperature=0))
         assert stopped.wait(60)
@@ -171,14 +171,14 @@ def test_bad_requests_are_refused(model):
 
 
 def test_adapters_load_and_unload_while_serving(tmp_path):
-    model = tiny_peft("llama", adapters=("a", "b"), strength=0.6)
+    model = tiny_peft("llama", adapters=("s", "b"), strength=0.6)
     donor = tiny_peft("llama", adapters=("d",), strength=0.6, seed=5)
     donor.save_pretrained(tmp_path)
     path = tmp_path / "d" if (tmp_path / "d").exists() else tmp_path
     g = torch.Generator().manual_seed(6)
     engine = Engine(model, max_batch=2, max_len=64, num_draft_tokens=2, gate="always").start()
     try:
-        busy = engine.submit(Request(random_prompt(g, 3), adapter="a", max_tokens=40, temperature=0))
+        busy = engine.submit(Request(random_prompt(g, 3), adapter="s", max_tokens=40, temperature=0))
         engine.load_adapter("new", str(path))
         prompt = random_prompt(g, 4)
         out = engine.submit(Request(prompt, adapter="new", max_tokens=6, temperature=0)).result(60)
@@ -216,7 +216,7 @@ def test_faults_stay_with_their_request(model, tmp_path):
         def boom(tokens):
             raise KeyError("client gone")
 
-        bad = engine.submit(Request(random_prompt(g, 3), adapter="a", max_tokens=8, temperature=0, on_tokens=boom))
+        bad = engine.submit(Request(random_prompt(g, 3), adapter="s", max_tokens=8, temperature=0, on_tokens=boom))
         good = engine.submit(Request(random_prompt(g, 3), adapter="b", max_tokens=8, temperature=0))
         assert bad.result(60) is not None and bad.finish_reason == "error" and "client gone" in bad.error
         assert good.result(60) and good.finish_reason == "length"
@@ -235,7 +235,7 @@ def test_faults_stay_with_their_request(model, tmp_path):
             engine.load_adapter("dora", str(tmp_path / "dora" if (tmp_path / "dora").exists() else tmp_path))
         assert "dora" not in engine.adapters() and engine.alive
 
-        held = [engine.submit(Request(random_prompt(g, 3), adapter="a", max_tokens=100, temperature=0))
+        held = [engine.submit(Request(random_prompt(g, 3), adapter="s", max_tokens=100, temperature=0))
                 for _ in range(2)]
         while engine.running() < 2:  # both rows taken
             time.sleep(0.01)
@@ -249,12 +249,12 @@ def test_faults_stay_with_their_request(model, tmp_path):
 
 
 def test_the_last_adapter_stays():
-    model = tiny_peft("llama", adapters=("a",), strength=0.6)
+    model = tiny_peft("llama", adapters=("s",), strength=0.6)
     engine = Engine(model, max_batch=1, max_len=32).start()
     try:
         with pytest.raises(RuntimeError, match="last adapter"):
-            engine.unload_adapter("a")
-        assert engine.alive and engine.adapters() == ["a"]
+            engine.unload_adapter("s")
+        assert engine.alive and engine.adapters() == ["s"]
     finally:
         engine.stop()
 
@@ -262,12 +262,12 @@ def test_the_last_adapter_stays():
 def test_unloading_an_unknown_adapter_is_refused():
     """The engine runs commands outside the lock that adapters() takes (a refusal that lists the
     loaded adapters used to deadlock the engine's thread); the engine serves on."""
-    model = tiny_peft("llama", adapters=("a", "b"), strength=0.6)
+    model = tiny_peft("llama", adapters=("s", "b"), strength=0.6)
     engine = Engine(model, max_batch=1, max_len=32).start()
     try:
         with pytest.raises(ValueError, match="No adapter named 'zzz'"):
             engine.unload_adapter("zzz", timeout=30)
-        assert engine.alive and engine.adapters() == ["a", "b"]
+        assert engine.alive and engine.adapters() == ["s", "b"]
         assert engine.submit(Request([3, 4], adapter="b", max_tokens=2, temperature=0)).result(30)
     finally:
         engine.stop()
@@ -304,7 +304,7 @@ def test_requests_admitted_together_fit_their_rows(model, monkeypatch):
     engine = Engine(model, max_batch=4, max_len=64, num_draft_tokens=4, gate="always").start()
     try:
         limit = engine.max_request_tokens  # 64 - 4 - 1
-        jobs = [(random_prompt(g, 50), "a", 5), (random_prompt(g, 2), "b", limit - 2), (random_prompt(g, 3), "c", 6)]
+        jobs = [(random_prompt(g, 50), "s", 5), (random_prompt(g, 2), "b", limit - 2), (random_prompt(g, 3), "c", 6)]
         with engine._wake:  # queued together: admitted in one cycle
             handles = [engine.submit(Request(p, adapter=a, max_tokens=m, temperature=0)) for p, a, m in jobs]
         for (prompt, name, m), h in zip(jobs, handles):
@@ -358,7 +358,7 @@ def test_a_failing_step_ends_only_its_requests(model, monkeypatch, caplog):
     engine = Engine(model, max_batch=3, max_len=64, num_draft_tokens=2, gate="always").start()
     try:
         with caplog.at_level(logging.ERROR, logger="hf_invisiblelora"):
-            a = engine.submit(Request(prompts[0], adapter="a", max_tokens=40, temperature=0, on_tokens=pause))
+            a = engine.submit(Request(prompts[0], adapter="s", max_tokens=40, temperature=0, on_tokens=pause))
             assert reached[0].wait(60)
             armed.add("prefill")
             b = engine.submit(Request(prompts[1], adapter="b", max_tokens=10, temperature=0))
@@ -371,7 +371,7 @@ def test_a_failing_step_ends_only_its_requests(model, monkeypatch, caplog):
             for h in (a, c):  # both were in the cycle that failed
                 h.result(60)
                 assert h.finish_reason == "error" and "decoding" in h.error
-            assert a.tokens == standalone(model, prompts[0], "a", 40)[: len(a.tokens)] and len(a.tokens) < 40
+            assert a.tokens == standalone(model, prompts[0], "s", 40)[: len(a.tokens)] and len(a.tokens) < 40
             assert not armed
             armed.add("finish")
             d = engine.submit(Request(prompts[3], adapter="c", max_tokens=3, temperature=0))

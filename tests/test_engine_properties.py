@@ -25,7 +25,7 @@ from hf_invisiblelora.testing import EOS, tiny_peft
 
 EXAMPLES = int(os.environ.get("ENGINE_PROPERTY_EXAMPLES", 50))
 VOCAB = 64
-NAMES = ["a", "b", "c", "d", "__base__"]
+NAMES = ["s", "b", "c", "d", "__base__"]
 MODEL = []
 GREEDY, ALONE = {}, {}  # reference outputs
 

@@ -35,22 +35,22 @@ def assert_unchanged(model, before):
 
 
 def call(model, **kw):
-    args = dict(input_ids=IDS, attention_mask=MASK, adapter_names=["a", "b"], max_new_tokens=4, invisible_lora=True)
+    args = dict(input_ids=IDS, attention_mask=MASK, adapter_names=["s", "b"], max_new_tokens=4, invisible_lora=True)
     args.update(kw)
     return model.generate(**args)
 
 
 @pytest.fixture
 def model():
-    return tiny_peft("llama", adapters=("a", "b"))
+    return tiny_peft("llama", adapters=("s", "b"))
 
 
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(adapter_names=["a", "nope"]), r"Unknown adapter\(s\) \['nope'\]; loaded adapters: \['a', 'b'\]"),
-        (dict(adapter_names=["a"]), "adapter_names has 1 entries but the batch has 2 rows"),
-        (dict(adapter_names="a"), "must be a list of adapter names"),
+        (dict(adapter_names=["s", "nope"]), r"Unknown adapter\(s\) \['nope'\]; loaded adapters: \['s', 'b'\]"),
+        (dict(adapter_names=["s"]), "adapter_names has 1 entries but the batch has 2 rows"),
+        (dict(adapter_names="s"), "must be a list of adapter names"),
         (dict(num_beams=2), "beam search"),
         (dict(prompt_lookup_num_tokens=3), "cannot be combined with prompt_lookup_num_tokens"),
         (dict(output_scores=True, return_dict_in_generate=True), "does not return"),
@@ -88,7 +88,7 @@ def test_training_mode(model):
 
 
 def test_merged_adapter(model):
-    model.set_adapter("a")
+    model.set_adapter("s")
     model.merge_adapter()
     before = snapshot(model)
     with pytest.raises(ValueError, match=r"merged into the base weights.*unmerge_adapter\(\)"):
@@ -99,21 +99,21 @@ def test_merged_adapter(model):
 
 def test_dora_refused():
     base = ARCHS["llama"](64).double().eval()
-    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True), adapter_name="a").eval()
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True), adapter_name="s").eval()
     with pytest.raises(ValueError, match="variants"):
         model.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=3, invisible_lora=True)
 
 
 def test_embedding_lora_refused():
     base = ARCHS["llama"](64).double().eval()
-    model = get_peft_model(base, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]), adapter_name="a").eval()
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]), adapter_name="s").eval()
     with pytest.raises(ValueError, match="LoRA on Linear layers"):
         model.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=3, invisible_lora=True)
 
 
 def test_options_without_the_flag(model):
     with pytest.raises(ValueError, match=r"\['num_draft_tokens'\] only apply with invisible_lora=True"):
-        model.generate(input_ids=IDS, attention_mask=MASK, adapter_names=["a", "b"], num_draft_tokens=2)
+        model.generate(input_ids=IDS, attention_mask=MASK, adapter_names=["s", "b"], num_draft_tokens=2)
 
 
 class Boom(StoppingCriteria):
@@ -137,9 +137,9 @@ def test_exception_mid_decoding_restores_the_model(model):
 def test_wrong_length_then_a_good_call(model):
     """PEFT leaks its adapter_names hooks when its own length check fails; ours checks first."""
     with pytest.raises(ValueError):
-        call(model, adapter_names=["a", "b", "a"])
+        call(model, adapter_names=["s", "b", "s"])
     good = call(model, do_sample=False)
-    ref = model.generate(input_ids=IDS, attention_mask=MASK, adapter_names=["a", "b"], max_new_tokens=4, do_sample=False)
+    ref = model.generate(input_ids=IDS, attention_mask=MASK, adapter_names=["s", "b"], max_new_tokens=4, do_sample=False)
     assert torch.equal(good, ref)
 
 
@@ -147,7 +147,7 @@ def test_stock_failure_leaves_no_peft_hooks(model):
     """PEFT's own generate leaks its adapter_names hooks when a forward fails; the flag's wrapper cleans up."""
     before = snapshot(model)
     with pytest.raises(ValueError, match="Length of `adapter_names`|same as the number of inputs"):
-        model.generate(input_ids=IDS, attention_mask=MASK, adapter_names=["a", "b", "a"], max_new_tokens=3)
+        model.generate(input_ids=IDS, attention_mask=MASK, adapter_names=["s", "b", "s"], max_new_tokens=3)
     assert_unchanged(model, before)
-    ref = model.generate(input_ids=IDS, attention_mask=MASK, adapter_names=["a", "b"], max_new_tokens=4, do_sample=False)
+    ref = model.generate(input_ids=IDS, attention_mask=MASK, adapter_names=["s", "b"], max_new_tokens=4, do_sample=False)
     assert torch.equal(call(model, do_sample=False), ref)

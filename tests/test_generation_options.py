@@ -36,7 +36,7 @@ import hf_invisiblelora  # noqa: F401  (makes generate() accept invisible_lora=T
 from options_catalog import CATALOG, enumerate_classes
 from hf_invisiblelora.testing import EOS, PAD, chi_square_p, prompts, tiny_peft, tiny_tokenizer
 
-ROWS = ["a", "b", "__base__", "c", "d", "a", "b"]
+ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]
 LENGTHS = [5, 9, 3, 7, 9, 1, 6]
 NEW = 14
 V = 64
@@ -82,7 +82,7 @@ class _Spy:
 @pytest.mark.parametrize("name", sorted(n for n, e in CATALOG.items() if e.kind == "generate"))
 def test_catalog_kwargs_build_the_class(name):
     """The catalog's generate() kwargs for a class really make standard decoding use that class."""
-    model = tiny_peft("llama", adapters=("a",)).get_base_model()
+    model = tiny_peft("llama", adapters=("s",)).get_base_model()
     ids, mask = prompts([4, 6])
     with _Spy(model) as spy:
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, **CATALOG[name].kwargs())

@@ -8,7 +8,7 @@ import hf_invisiblelora
 from hf_invisiblelora.state import state_of
 from hf_invisiblelora.testing import ARCHS, PAD, prompts, tiny_peft
 
-ROWS = ["a", "b", "__base__", "c", "d", "a", "b"]
+ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]
 LENGTHS = [5, 9, 3, 7, 9, 1, 6]
 
 
@@ -111,10 +111,10 @@ def test_custom_stopping_criteria():
 def test_num_return_sequences_expands_adapters():
     model = tiny_peft("llama", strength=0.6)
     ids, mask = prompts([4, 6])
-    out = model.generate(input_ids=ids, attention_mask=mask, adapter_names=["a", "__base__"], do_sample=True,
+    out = model.generate(input_ids=ids, attention_mask=mask, adapter_names=["s", "__base__"], do_sample=True,
                          num_return_sequences=3, max_new_tokens=5, invisible_lora=True, return_dict_in_generate=True)
     assert out.sequences.shape[0] == 6
-    assert out.stats.adapter_names == ["a"] * 3 + ["__base__"] * 3
+    assert out.stats.adapter_names == ["s"] * 3 + ["__base__"] * 3
 
 
 def test_statistics_add_up():
@@ -132,9 +132,19 @@ def test_statistics_add_up():
         assert n + 1 <= c <= 1 + n + a and n <= s.cycles
     assert max(s.row_cycles) == s.cycles
     per = s.per_adapter
-    assert per["a"]["rows"] == 2 and per["a"]["drafted"] == s.drafted[0] + s.drafted[5]
+    assert per["s"]["rows"] == 2 and per["s"]["drafted"] == s.drafted[0] + s.drafted[5]
     assert per["__base__"]["acceptance"] == 1.0  # the base model drafts for itself
     assert abs(s.acceptance_rate - sum(s.accepted) / sum(s.drafted)) < 1e-12
+
+
+def test_no_drafts_is_not_zero_acceptance():
+    """Without drafting there is no acceptance rate: "no drafts", not 0% (which reads as every draft rejected)."""
+    model = tiny_peft("llama", strength=0.6)
+    ids, mask = prompts(LENGTHS)
+    s = invisible(model, ids, mask, ROWS, max_new_tokens=5, gate="never", return_dict_in_generate=True).stats
+    assert sum(s.drafted) == 0 and s.acceptance_rate is None
+    assert all(v["acceptance"] is None for v in s.per_adapter.values())
+    assert "acceptance no drafts" in s.summary() and "0.0%" not in s.summary()
 
 
 def test_plain_tensor_return_and_explicit_function():
@@ -163,12 +173,12 @@ def test_adapters_loaded_from_disk(tmp_path):
     model = tiny_peft("llama", strength=0.6, seed=3)
     model.save_pretrained(tmp_path)  # PEFT saves each non-"default" adapter in a subfolder of its name
     ids, mask = prompts([4, 7, 2])
-    names = ["a", "d", "__base__"]
+    names = ["s", "d", "__base__"]
     ref = standard(model, ids, mask, names, max_new_tokens=8)
 
     torch.manual_seed(3)  # the same base weights as tiny_peft(seed=3)
     base = ARCHS["llama"](64).double().eval()
-    loaded = PeftModel.from_pretrained(base, tmp_path / "a", adapter_name="a")
+    loaded = PeftModel.from_pretrained(base, tmp_path / "s", adapter_name="s")
     loaded.load_adapter(tmp_path / "d", adapter_name="d")
     loaded.eval()
     assert torch.equal(invisible(loaded, ids, mask, names, max_new_tokens=8, num_draft_tokens=2), ref)
@@ -188,16 +198,16 @@ def test_adapters_added_deleted_and_rescaled_between_calls():
 
     from hf_invisiblelora.testing import ADAPTERS
 
-    model = tiny_peft("llama", adapters=("a", "b"), strength=0.6)
+    model = tiny_peft("llama", adapters=("s", "b"), strength=0.6)
     ids, mask = prompts([4, 6, 5])
-    invisible(model, ids, mask, ["a", "b", "a"], max_new_tokens=4)  # builds the bank
+    invisible(model, ids, mask, ["s", "b", "s"], max_new_tokens=4)  # builds the bank
     model.add_adapter("d", LoraConfig(init_lora_weights=False, **ADAPTERS["d"]))
     model.delete_adapter("b")
     for layer in model.modules():
-        if hasattr(layer, "set_scale") and "a" in getattr(layer, "scaling", {}):
-            layer.set_scale("a", 3.0)
+        if hasattr(layer, "set_scale") and "s" in getattr(layer, "scaling", {}):
+            layer.set_scale("s", 3.0)
     model.eval()
-    names = ["d", "a", "__base__"]
+    names = ["d", "s", "__base__"]
     assert torch.equal(invisible(model, ids, mask, names, max_new_tokens=8), standard(model, ids, mask, names, max_new_tokens=8))
     with pytest.raises(ValueError, match="Unknown adapter"):
-        invisible(model, ids, mask, ["b", "a", "a"], max_new_tokens=4)
+        invisible(model, ids, mask, ["b", "s", "s"], max_new_tokens=4)

@@ -10,7 +10,7 @@ from hf_invisiblelora.state import state_of
 from hf_invisiblelora.testing import prompts, tiny_peft, tiny_tokenizer
 
 PROMPTS = ["the quick brown", "once upon a time", "hello"]
-NAMES = ["a", "b", "__base__"]
+NAMES = ["s", "b", "__base__"]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_streamer_receives_committed_tokens(model):
 
 def test_text_streamer_prints(model, tok, capsys):
     enc = tok(["once upon"], return_tensors="pt")
-    out = model.generate(**enc, adapter_names=["a"], max_new_tokens=6, do_sample=False, invisible_lora=True,
+    out = model.generate(**enc, adapter_names=["s"], max_new_tokens=6, do_sample=False, invisible_lora=True,
                          streamer=TextStreamer(tok))
     assert capsys.readouterr().out.strip() == tok.decode(out[0], skip_special_tokens=True).strip()
 

@@ -13,7 +13,7 @@ from hf_invisiblelora.testing import PAD, tiny_peft
 
 EXAMPLES = int(os.environ.get("PROPERTY_EXAMPLES", 150))  # more for a longer search
 VOCAB = 64
-NAMES = ["a", "b", "c", "d", "__base__"]
+NAMES = ["s", "b", "c", "d", "__base__"]
 MODELS = {}
 
 

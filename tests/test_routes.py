@@ -65,7 +65,7 @@ def _proto():
 @functools.cache
 def _dropout_proto():
     """The same adapters with LoRA dropout 0.3: dropout in training mode really changes the output."""
-    return tiny_peft("llama", strength=0.6, adapters={n: {**ADAPTERS[n], "lora_dropout": 0.3} for n in "abcd"})
+    return tiny_peft("llama", strength=0.6, adapters={n: {**ADAPTERS[n], "lora_dropout": 0.3} for n in "sbcd"})
 
 
 @functools.cache
@@ -79,7 +79,7 @@ def _odd_scaling_proto():
     """Adapters whose scalings (alpha / r) are not powers of two: folding such a scaling into B rounds
     otherwise than PEFT's ``lora_B(lora_A(x)) * scaling`` in bfloat16 (a power of two scales exactly),
     which flipped tokens of these models when the bank computed bfloat16 adapters (even with gate="never")."""
-    shapes = {"a": (3, 7), "b": (5, 11), "c": (2, 3), "d": (4, 5)}
+    shapes = {"s": (3, 7), "b": (5, 11), "c": (2, 3), "d": (4, 5)}
     return tiny_peft("llama", strength=1.0, seed=1,
                      adapters={n: dict(r=r, lora_alpha=alpha, target_modules=LINEAR) for n, (r, alpha) in shapes.items()})
 
@@ -603,8 +603,8 @@ def _replace(rows, mapping):
 
 @functools.cache
 def _hotswap_dir(tmp):
-    """An adapter "x" (adapter a's config, other weights) saved to disk, to hotswap into "a"."""
-    other = tiny_peft("llama", strength=0.6, seed=1, adapters={"x": ADAPTERS["a"]})
+    """An adapter "x" (adapter s's config, other weights) saved to disk, to hotswap into "s"."""
+    other = tiny_peft("llama", strength=0.6, seed=1, adapters={"x": ADAPTERS["s"]})
     other.save_pretrained(str(tmp))
     return str(tmp / "x")
 
@@ -647,7 +647,7 @@ def s_active_adapter_rows_none(m, stack, touch, env):
 
 
 def s_two_active_adapters_rows_none(m, stack, touch, env):
-    m.base_model.set_adapter(["a", "d"])  # stock adds both adapters' deltas
+    m.base_model.set_adapter(["s", "d"])  # stock adds both adapters' deltas
     return None
 
 
@@ -675,19 +675,19 @@ def s_set_scale_all_layers(m, stack, touch, env):
 
 
 def s_set_scale_some_layers(m, stack, touch, env):
-    for layer in [x for x in lora_modules(m) if "a" in x.lora_A][::2]:
-        layer.set_scale("a", 3.0)
+    for layer in [x for x in lora_modules(m) if "s" in x.lora_A][::2]:
+        layer.set_scale("s", 3.0)
     return ROWS
 
 
 def s_rescale_adapter_scale_ctx(m, stack, touch, env):
-    stack.enter_context(rescale_adapter_scale(m, 2.0))  # the active adapter ("a")
+    stack.enter_context(rescale_adapter_scale(m, 2.0))  # the active adapter ("s")
     return ROWS
 
 
 def s_scale_layer_active(m, stack, touch, env):
     for layer in lora_modules(m):
-        layer.scale_layer(0.3)  # the active adapter ("a")
+        layer.scale_layer(0.3)  # the active adapter ("s")
     return ROWS
 
 
@@ -708,7 +708,7 @@ def s_weights_edited_in_place(m, stack, touch, env):
 
 def s_delete_adapter(m, stack, touch, env):
     m.delete_adapter("c")
-    return _replace(ROWS, {"c": "a"})
+    return _replace(ROWS, {"c": "s"})
 
 
 def s_delete_then_readd(m, stack, touch, env):
@@ -719,26 +719,26 @@ def s_delete_then_readd(m, stack, touch, env):
 
 
 def s_weighted_cat(m, stack, touch, env):
-    m.add_weighted_adapter(["a", "b"], [0.8, 0.6], "ab_cat", combination_type="cat")
+    m.add_weighted_adapter(["s", "b"], [0.8, 0.6], "ab_cat", combination_type="cat")
     m.eval()
-    return ["a", "ab_cat", "__base__", "c", "ab_cat", "a", "b"]
+    return ["s", "ab_cat", "__base__", "c", "ab_cat", "s", "b"]
 
 
 def s_weighted_linear(m, stack, touch, env):
-    _add(m, "e", ADAPTERS["a"])  # the same rank and targets as "a" (linear needs them)
-    m.add_weighted_adapter(["a", "e"], [0.7, 0.9], "ae_lin", combination_type="linear")
+    _add(m, "e", ADAPTERS["s"])  # the same rank and targets as "s" (linear needs them)
+    m.add_weighted_adapter(["s", "e"], [0.7, 0.9], "ae_lin", combination_type="linear")
     m.eval()
-    return ["a", "ae_lin", "__base__", "e", "d", "ae_lin", "b"]
+    return ["s", "ae_lin", "__base__", "e", "d", "ae_lin", "b"]
 
 
 def s_weighted_svd(m, stack, touch, env):
     m.add_weighted_adapter(["b", "d"], [0.7, 0.5], "bd_svd", combination_type="svd", svd_rank=4)
     m.eval()
-    return ["a", "bd_svd", "__base__", "c", "bd_svd", "a", "b"]
+    return ["s", "bd_svd", "__base__", "c", "bd_svd", "s", "b"]
 
 
 def s_hotswap(m, stack, touch, env):
-    hotswap_adapter(m, env["hotswap"], adapter_name="a", torch_device="cpu")
+    hotswap_adapter(m, env["hotswap"], adapter_name="s", torch_device="cpu")
     return ROWS
 
 
@@ -774,8 +774,8 @@ def s_inner_model_train_mode(m, stack, touch, env):
 
 def s_lora_dropout_train_mode(m, stack, touch, env):
     for layer in lora_modules(m):
-        if "a" in layer.lora_dropout:
-            layer.lora_dropout["a"].train()
+        if "s" in layer.lora_dropout:
+            layer.lora_dropout["s"].train()
     return ROWS
 
 
