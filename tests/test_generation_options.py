@@ -22,6 +22,7 @@ from typing import Callable
 
 import pytest
 import torch
+from peft.tuners.lora import LoraLayer
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -99,10 +100,14 @@ def test_every_applicable_class_is_exercised():
 
 
 def snapshot(model, ids, mask, rows):
-    """Everything a refused call could leave changed: a mixed-adapter forward, hooks, patched forwards, flags."""
+    """Everything a refused call could leave changed: a mixed-adapter forward (``rows``: its
+    adapter_names, None for none; seeded, so that a model with dropout in training mode gives the
+    same logits again), hooks, patched forwards, flags, PEFT's adapter state, dtypes."""
+    torch.manual_seed(1234)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, adapter_names=rows).logits
     modules = list(model.modules())
+    lora = [m for m in modules if isinstance(m, LoraLayer)]
     return dict(
         logits=logits,
         hooks=[len(m._forward_pre_hooks) + len(m._forward_hooks) for m in modules],
@@ -111,6 +116,10 @@ def snapshot(model, ids, mask, rows):
         grad=[p.requires_grad for p in model.parameters()],
         training=[m.training for m in modules],
         active=list(model.active_adapters),
+        merged=[list(m.merged_adapters) for m in lora],
+        scaling=[dict(m.scaling) for m in lora],
+        dtypes=[p.dtype for p in model.parameters()],
+        adapters=list(model.peft_config),
     )
 
 

@@ -46,6 +46,7 @@ from transformers.generation import stopping_criteria as sc
 import hf_invisiblelora  # noqa: F401  (makes generate() accept invisible_lora=True)
 from hf_invisiblelora.testing import ADAPTERS, LINEAR, prompts, tiny_peft, tiny_tokenizer
 from test_generation_options import LENGTHS, ROWS, Ctx, Refused, _sequences, assert_same, standard
+from test_generation_options import snapshot as snap
 
 NEW = 10
 COMMON = dict(do_sample=False, max_new_tokens=NEW)
@@ -131,28 +132,6 @@ def model_config(model, fields: dict):
     finally:
         for f, v in saved.items():
             setattr(cfg, f, v)
-
-
-def snap(model, ids, mask, rows):
-    """test_generation_options.snapshot, with a seeded forward (a refused call on a model with dropout
-    in training mode must leave it giving the same logits for the same seed)."""
-    torch.manual_seed(1234)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, adapter_names=rows).logits
-    modules = list(model.modules())
-    return dict(
-        logits=logits,
-        hooks=[len(m._forward_pre_hooks) + len(m._forward_hooks) for m in modules],
-        forwards=["forward" in vars(m) for m in modules],
-        disabled=[getattr(m, "_disable_adapters", None) for m in modules],
-        grad=[p.requires_grad for p in model.parameters()],
-        training=[m.training for m in modules],
-        active=list(model.active_adapters),
-        merged=[list(m.merged_adapters) for m in modules if isinstance(m, LoraLayer)],
-        scaling=[dict(m.scaling) for m in modules if isinstance(m, LoraLayer)],
-        dtypes=[p.dtype for p in model.parameters()],
-        adapters=list(model.peft_config),
-    )
 
 
 def ours(model, rows, k, gate="always", ids=IDS, mask=MASK, **kw):
