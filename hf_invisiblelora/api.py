@@ -38,7 +38,7 @@ from .forward import CompiledForward, EagerForward, backend_for, warmed
 from .gate import Gate
 from .layout import prompt_positions
 from .policies import GeneratePolicy
-from .processors import split_criteria
+from .processors import ScoreHistory, reads_scores, split_criteria, step_outputs
 from .rotary import Recompute, StepRotary, length_dependent, recompute_slot
 from .state import state_of
 from .stats import DecodingStats
@@ -161,6 +161,11 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         pad_id = int(pad) if pad is not None else 0
         eos = stopping.eos
         slot = recompute_slot(inner, prompt_len)
+        returned = generation_config.return_dict_in_generate
+        want_scores, want_logits = returned and generation_config.output_scores, returned and generation_config.output_logits
+        # Standard decoding hands the criteria its scores tuple when it returns scores.
+        history = ScoreHistory(max_new, b, vocab_size, prompt_len, input_ids.device) \
+            if want_scores and reads_scores(stopping.criteria) else None
         decoder = Decoder(
             fwd, lora, GeneratePolicy(logits_processor, bool(generation_config.do_sample), generator),
             Gate(gate, num_draft_tokens, state.gate, BASE, passes=backend or "eager",
@@ -168,6 +173,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
             capacity=b, span=b, pad_id=pad_id, eos=None if eos is None else eos.to(input_ids.device),
             criteria=stopping.criteria, freeze=stopping.pads, timed=stopping.timed,
             recompute=None if slot is None else Recompute(slot, b),
+            scores=history, keep_prefill=want_scores or want_logits,
         )
         rotary = StepRotary(inner, fwd.layout, state.mine)
         with lora.installed(), rotary.installed(), drafter.installed() if drafter else contextlib.nullcontext():
@@ -182,14 +188,22 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
             new = decoder.output_length()
             sequences = decoder.sequences(list(range(b)), prompt_len + new, pad_id)
             observe_tokens(state, sequences, vocab_size)  # the draft vocabulary follows what is seen
-            rotary.finish(prompt_len, new)
             decoder.fill_stats(stats, new)
             if streamer is not None:
                 streamer.end()
-            if not generation_config.return_dict_in_generate:
+            if not returned:
+                rotary.finish(prompt_len, new)
                 return sequences
-            cache = _returned_cache(fwd, decoder.rows, sequences, inner.config, copy=backend is not None)
-        return InvisibleLoRAOutput(sequences=sequences, cache=cache, stats=stats)
+            scores = logits = None
+            fed = want_scores or want_logits or _recomputes(decoder.recompute, prompt_len, new)
+            if fed:  # every slot the returned cache holds is fed again, as standard decoding fed it
+                raw = _step_logits(fwd, decoder, sequences, prompt_len, new, keep=want_scores or want_logits)
+                if raw is not None:
+                    scores, logits = step_outputs(logits_processor, sequences, prompt_len, raw, want_scores)
+                    logits = logits if want_logits else None
+            cache = _returned_cache(fwd, decoder.rows, sequences, inner.config, copy=backend is not None, fed=fed)
+            rotary.finish(prompt_len, new)  # after the passes above: the rotary modules as standard decoding leaves them
+        return InvisibleLoRAOutput(sequences=sequences, scores=scores, logits=logits, cache=cache, stats=stats)
 
     if state.mine():
         raise RuntimeError("generate(invisible_lora=True) was called from inside another InvisibleLoRA call on the "
@@ -204,16 +218,68 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     return out
 
 
-def _returned_cache(fwd, rows, sequences, config, copy: bool):
+def _recomputes(recompute, prompt_len: int, new: int) -> bool:
+    """Whether Phi-3's cache recompute (rotary.Recompute) touches the returned cache: standard decoding
+    recomputed it within the output, or a row's keys were recomputed during decoding."""
+    return recompute is not None and (recompute.slot < prompt_len + new - 1 or any(recompute.done))
+
+
+def _step_logits(fwd, decoder, sequences, prompt_len: int, new: int, keep: bool = True) -> torch.Tensor | None:
+    """[new, B, V] float32: the raw logits standard decoding's step s computed for every row, as
+    ``output_logits`` returns them (and ``output_scores`` processes them), the rows that finished
+    fed the pad token after their end as standard decoding feeds them.
+
+    Step 0 is the prefill's (kept by the Decoder). Steps 1 .. new-1 come from one LoRA-on pass over
+    the output, teacher-forced: slots P .. P+new-2 (the tokens standard decoding's later steps fed),
+    each row with its adapter, also writing every key/value the returned cache holds. Why this and
+    not the verify passes' logits kept during decoding (which would save this pass): decoding never
+    computes the finished rows' pad continuation, which standard decoding scores at every step, so a
+    pass over those tails is needed anyway; the processors would have to run again for those rows
+    at the whole batch's lengths; and keeping the logits of every committed position costs a
+    copy per cycle (and B x new x V floats through decoding) in calls that may not want them. The
+    pass costs about a prefill of B x (new-1) tokens, paid only when scores or logits are asked for,
+    and it replaces the returned cache's own tail pass.
+
+    Phi-3's one-time recompute of the cache at slot R (rotary.recompute_slot) is followed: queries
+    before R see the keys as first computed (the prompt's are computed again if a row's were
+    recomputed during decoding), then every row's slots [0, R) are recomputed as standard
+    decoding's recompute pass computed them, and the queries from R on see those. (Also run with
+    ``keep=False``, returning None, for the returned cache alone when that recompute touches it.)
+    """
+    b = sequences.shape[0]
+    first = decoder.prefill_logits
+    out = None
+    if keep:
+        out = first.new_empty(new, b, first.shape[-1])
+        out[0] = first
+    end = prompt_len + new - 1  # standard decoding never feeds the last token
+    rows = torch.arange(b, device=sequences.device)
+    at = lambda slot: torch.full((b,), slot, dtype=torch.long, device=sequences.device)  # noqa: E731
+    recompute = decoder.recompute
+    cut = recompute.slot if recompute is not None and prompt_len <= recompute.slot < end else None
+    if recompute is not None and any(recompute.done[:b]):  # those rows' prompt keys were recomputed
+        fwd(sequences[:, :prompt_len], at(0), prompt_len, keep=1, prefix=prompt_len, rows=rows)
+    for a, z in ((prompt_len, end),) if cut is None else ((prompt_len, cut), (cut, end)):
+        if a == cut:  # standard decoding's recompute pass (as Recompute.before_verify runs it)
+            fwd(sequences[:, :cut], at(0), cut, keep=1, prefix=cut + 1, rows=rows)
+        if z > a:
+            logits = fwd(sequences[:, a:z], at(a), z, keep=z - a if keep else 1, rows=rows)
+            if keep:  # slot j predicts step j + 1 - P
+                out[a - prompt_len + 1 : z - prompt_len + 1] = logits.transpose(0, 1)
+    return out
+
+
+def _returned_cache(fwd, rows, sequences, config, copy: bool, fed: bool = False):
     """The DynamicCache standard generate() returns: keys/values of every token but the last.
 
     Rows that finished early were fed their EOS and padding by standard decoding (one step per
     token of the longest row); one LoRA-on pass over those tail slots computes the same entries.
+    ``fed``: ``_step_logits`` has already fed all of them.
     """
     b, length = sequences.shape
     end = length - 1  # standard decoding never feeds the last token
     first = rows.plen_h[0] + min(rows.gen_h[:b]) - 1  # the earliest slot a row has not cached
-    if first < end:
+    if first < end and not fed:
         start = torch.full((b,), first, dtype=torch.long, device=sequences.device)
         fwd(sequences[:, first:end], start, end, keep=1)
     return fwd.cache.to_dynamic(config, end, rows=b, copy=copy)

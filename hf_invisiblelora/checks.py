@@ -28,7 +28,11 @@ BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
 GATE_MODES = ("auto", "always", "never")
 LORA_BACKENDS = ("bank", "peft")
 COMPILE_OPTIONS = ("auto", True, False)
-_UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+# Returned per-step outputs not served: standard decoding's are the attention weights and hidden states of
+# its one-token steps, per layer; the passes here run several tokens per row at different slots over a
+# padded cache, so reproducing them would take a pass per step. (output_scores / output_logits are served:
+# api._step_logits.)
+_UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
 # Model inputs generate() hands over that decoding itself provides or that need no handling.
 _MODEL_INPUTS = ("attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep")
 # Architectures the sweep of Transformers' causal LMs found incompatible for reasons no config
@@ -259,7 +263,9 @@ def check_call(config, processors, model_kwargs, input_ids, streamer) -> None:
                              "steps, which speculative passes would advance); use plain generate().")
     asked = [o for o in _UNSUPPORTED_OUTPUTS if getattr(config, o, False)]
     if asked:
-        raise ValueError(f"invisible_lora does not return {asked}; call generate without them.")
+        raise ValueError(f"invisible_lora does not return {asked} (attention weights and hidden states of standard "
+                         "decoding's one-token steps); call generate without them. output_scores and output_logits "
+                         "are served.")
     extra = sorted(k for k, v in model_kwargs.items() if _given(v) and k not in _MODEL_INPUTS)
     if extra:
         raise ValueError(f"invisible_lora takes input_ids, attention_mask and position_ids; got {extra} too.")

@@ -122,7 +122,8 @@ def verify(fwd, rows: Rows, hi: int, k: int, policy):
     return policy.scores(rows, slice(0, hi), logits, offset=0)
 
 
-def commit(rows: Rows, hi: int, n, next_token, k: int, eos, criteria, freeze: bool, members=None, timed=()):
+def commit(rows: Rows, hi: int, n, next_token, k: int, eos, criteria, freeze: bool, members=None, timed=(),
+           scores=None):
     """Append each member row's accepted drafts + next token, cut at EOS / stopping criteria / the
     row's budget. ``n``, ``next_token``: [hi]; ``members``: the rows committing (default: the
     active rows among 0..hi-1); the others keep nothing.
@@ -131,7 +132,8 @@ def commit(rows: Rows, hi: int, n, next_token, k: int, eos, criteria, freeze: bo
     when a criterion has an ``eos_token_id``; otherwise it keeps generating until every row has
     stopped. ``timed``: time limits (generate()'s max_time); once one has passed, every row ends at
     one length, as standard decoding's batch ends at the step the time ran out: the shortest length
-    a row still generating has reached (rows ahead of it drop what they hold beyond it).
+    a row still generating has reached (rows ahead of it drop what they hold beyond it). ``scores``:
+    what the criteria are handed as ``scores`` (None, or a processors.ScoreHistory).
     Returns the host lists (kept per row, accepted drafts per row): the cycle's one device sync
     (two when stopping criteria beyond EOS and the budget are set).
     """
@@ -151,7 +153,7 @@ def commit(rows: Rows, hi: int, n, next_token, k: int, eos, criteria, freeze: bo
         kept = torch.where(stopped, is_eos.long().argmax(1) + 1, kept)
     kept_h, stopped_h, n_h = torch.stack([kept, stopped.long(), n]).tolist()
     if criteria:
-        for r, s in enumerate(first_stop(criteria, tokens, rows.plen_h[:hi], rows.gen_h[:hi], kept_h)):
+        for r, s in enumerate(first_stop(criteria, tokens, rows.plen_h[:hi], rows.gen_h[:hi], kept_h, scores)):
             if s is not None:
                 kept_h[r], stopped_h[r] = s, 1
     for r in members:
@@ -197,10 +199,14 @@ class Decoder:
     every pass over rows 0..span-1 (generate(): processors then see the whole batch, as in
     standard decoding), else over the rows up to the last active one. ``history``: keep each
     cycle's k in ``k_per_cycle`` (generate()'s stats; a server's long run keeps only ``k``, the last).
+    ``scores``: a processors.ScoreHistory when the criteria are handed the processed scores (generate()
+    returning scores), recorded from the prefill and the verify passes. ``keep_prefill``: keep the
+    prefill's raw logits (float32 [n, V], ``prefill_logits``) for returned logits / scores.
     """
 
     def __init__(self, fwd, lora, policy, gate: Gate, *, capacity: int, pad_id: int, eos=None, criteria=None,
-                 freeze: bool = True, timed=(), recompute=None, span: int | None = None, history: bool = True):
+                 freeze: bool = True, timed=(), recompute=None, span: int | None = None, history: bool = True,
+                 scores=None, keep_prefill: bool = False):
         self.fwd, self.lora, self.policy, self.gate, self.span = fwd, lora, policy, gate, span
         self.rows = Rows.empty(capacity, fwd.layout.width, pad_id, fwd.layout.positions.device)
         self.eos, self.criteria, self.freeze, self.timed, self.recompute = eos, criteria, freeze, timed, recompute
@@ -208,6 +214,7 @@ class Decoder:
         self.timer = PassTimer(self.rows.tokens.device)
         self.cycles, self.k, self.k_per_cycle, self.history = 0, 0, [], history
         self.drafted, self.accepted, self.row_cycles = [0] * capacity, [0] * capacity, [0] * capacity
+        self.scores, self.keep_prefill, self.prefill_logits = scores, keep_prefill, None
 
     def admit(self, idx: list[int], input_ids, attention_mask, positions, max_new: list[int], names: list[str]):
         """Rows ``idx`` start on ``input_ids`` [n, P] (left-padded; ``attention_mask`` and
@@ -223,13 +230,17 @@ class Decoder:
         self.fwd.layout.load(idx, attention_mask, positions, [p + m - 2 for m in max_new])
         sub = torch.tensor(idx, device=input_ids.device)
         logits = self.fwd(input_ids, torch.zeros_like(sub), p, keep=1, prefix=p, rows=sub)
+        if self.keep_prefill:  # a copy: processors may edit their input in place
+            self.prefill_logits = logits[:, -1].to(torch.float32, copy=True)
         scores = self.policy.scores(self.rows, sub, logits, offset=0)
+        if self.scores is not None:
+            self.scores.record(sub, [0] * len(idx), scores)
         n, next_token = self.policy.accept(self.rows.tokens.new_zeros(len(idx), 0), None, scores, self.rows, sub)
         hi = max(idx) + 1
         full_n, full_next = n.new_zeros(hi), n.new_zeros(hi)
         full_n[sub], full_next[sub] = n, next_token
         kept, _ = commit(self.rows, hi, full_n, full_next, 0, self.eos, self.criteria, self.freeze, members=idx,
-                         timed=self.timed)
+                         timed=self.timed, scores=self.scores)
         return kept
 
     def cycle(self):
@@ -252,7 +263,11 @@ class Decoder:
         n, next_token = self.policy.accept(drafts, draft_probs, scores, rows, slice(0, hi))
         if self.recompute is not None:
             n, next_token = self.recompute.cap(rows, hi, n, next_token, drafts)
-        kept, n_h = commit(rows, hi, n, next_token, k, self.eos, self.criteria, self.freeze, timed=self.timed)
+        if self.scores is not None:  # position t of the verify pass chose token gen + t
+            self.scores.record(torch.arange(hi, device=scores.device), rows.gen_h[:hi], scores,
+                               live=[not d for d in rows.done_h[:hi]])
+        kept, n_h = commit(rows, hi, n, next_token, k, self.eos, self.criteria, self.freeze, timed=self.timed,
+                           scores=self.scores)
         for r in active:
             self.drafted[r] += k
             self.accepted[r] += n_h[r]

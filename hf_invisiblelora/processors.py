@@ -10,6 +10,11 @@ top-k, ...) run once over all rows and positions. Scores are float32, as standar
 
 Contract, as in standard decoding: a processor or criterion computes each row from that row's
 ``input_ids`` and scores (and its batch index); it is called more often here (draft positions too).
+
+Returned scores and logits (``output_scores`` / ``output_logits``) are made after decoding, by
+``step_outputs``: the processors called once per step with the whole batch, as standard decoding's
+step calls them. Stopping criteria that read ``scores`` are handed the tuple standard decoding hands
+them when it returns scores (``ScoreHistory``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from transformers.generation.stopping_criteria import (
     MaxLengthCriteria,
     MaxTimeCriteria,
     StoppingCriteriaList,
+    StopStringCriteria,
 )
 
 # Processors whose output depends on the scores alone (input_ids is not read).
@@ -139,18 +145,69 @@ def split_criteria(criteria) -> Stopping:
                     pads=any(hasattr(c, "eos_token_id") for c in criteria))
 
 
+class ScoreHistory:
+    """The processed scores of the positions each row has committed: the ``scores`` tuple standard
+    decoding hands the stopping criteria when it returns scores (``return_dict_in_generate`` and
+    ``output_scores``), one [B, V] float32 tensor per step so far.
+
+    Entry s of row r holds the scores that chose row r's token s (the prefill's or a verify pass's
+    processed scores, which are standard decoding's for that row and step). Rows stand at different
+    lengths, and a criterion is called at a length with only the rows there keeping its answer
+    (``first_stop``), so the other rows' entries may hold another step's scores or zeros: as for
+    processors, a criterion computes each row from its own ``input_ids`` and scores.
+    """
+
+    def __init__(self, steps: int, batch: int, vocab: int, prompt_len: int, device):
+        self.buffer = torch.zeros(steps, batch, vocab, dtype=torch.float32, device=device)  # entry s: buffer[s] [B, V]
+        self.prompt_len = prompt_len
+
+    def record(self, rows, gen: list[int], scores: torch.Tensor, live: list[bool] | None = None) -> None:
+        """Rows ``rows`` (index tensor [n]) at ``gen`` generated tokens: their ``scores`` [n, q, V]
+        for steps gen .. gen + q - 1 (those past the last step are dropped); ``live``: the rows to
+        record (default all)."""
+        n, q, _ = scores.shape
+        device = scores.device
+        steps = torch.tensor(gen, device=device)[:, None] + torch.arange(q, device=device)
+        keep = steps < self.buffer.shape[0]
+        if live is not None:
+            keep &= torch.tensor(live, device=device)[:, None]
+        self.buffer[steps[keep], rows.to(device)[:, None].expand(n, q)[keep]] = scores[keep]
+
+    def __call__(self, length: int) -> tuple:
+        """The tuple a criterion is handed at batch length ``length``."""
+        return tuple(self.buffer[: length - self.prompt_len].unbind(0))
+
+
+def reads_scores(criteria) -> bool:
+    """Whether some criterion may read ``scores`` (Transformers' stop-string criterion does not)."""
+    return any(behaves_as(c, (StopStringCriteria,)) is None for c in criteria)
+
+
+def step_outputs(processors, sequences: torch.Tensor, prompt_len: int, logits: torch.Tensor, scores: bool):
+    """Standard decoding's returned (scores, logits): ``logits`` [S, B, V] float32, the raw logits of
+    every row at each of the S steps (finished rows fed the pad token, as there). Step s calls the
+    processors once with the whole batch's first ``prompt_len + s`` tokens and that step's logits,
+    as standard decoding's step does, and keeps what they return as its scores (``scores``: whether
+    they are asked for). Returns (scores tuple or None, logits tuple), one [B, V] tensor per step."""
+    raw = logits.unbind(0)  # contiguous [B, V] each
+    if not scores:
+        return None, raw
+    return tuple(processors(sequences[:, : prompt_len + s].clone(), step) for s, step in enumerate(raw)), raw
+
+
 def expired(timed: list, tokens: torch.Tensor) -> bool:
     """Whether a time limit has passed (it answers for the whole batch, as at a standard decoding step)."""
     return any(bool(c(tokens, None).any()) for c in timed)
 
 
 def first_stop(criteria: StoppingCriteriaList, tokens: torch.Tensor, plen: list[int], gen: list[int],
-               counts: list[int]) -> list[int | None]:
+               counts: list[int], scores=None) -> list[int | None]:
     """For rows committing ``counts[b]`` tokens after their ``plen[b] + gen[b]``: the number kept up
     to and including the first token that stops the row, or None if none does.
 
     The criteria see the whole batch's first L tokens for each length L a row reaches, as at
-    standard decoding's step of that length (``scores`` is None, as there unless scores are output).
+    standard decoding's step of that length, and ``scores``: None, as there unless scores are
+    returned, or then a ``ScoreHistory`` (the tuple of the steps' processed scores so far).
     """
     stop = [None] * len(gen)
     lengths = {}
@@ -161,7 +218,7 @@ def first_stop(criteria: StoppingCriteriaList, tokens: torch.Tensor, plen: list[
         pending = [(r, j) for r, j in at if stop[r] is None]
         if not pending:
             continue
-        hit = criteria(tokens[:, :length], None).tolist()
+        hit = criteria(tokens[:, :length], None if scores is None else scores(length)).tolist()
         for r, j in pending:
             if hit[r]:
                 stop[r] = j + 1

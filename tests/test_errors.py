@@ -53,7 +53,7 @@ def model():
         (dict(adapter_names="s"), "must be a list of adapter names"),
         (dict(num_beams=2), "beam search"),
         (dict(prompt_lookup_num_tokens=3), "cannot be combined with prompt_lookup_num_tokens"),
-        (dict(output_scores=True, return_dict_in_generate=True), "does not return"),
+        (dict(output_attentions=True, return_dict_in_generate=True), "does not return"),
         (dict(gate="sometimes"), "gate must be one of"),
         (dict(num_draft_tokens=-1), "num_draft_tokens must be"),
         (dict(stop_strings=["x"]), "stop_strings needs the tokenizer"),
