@@ -19,6 +19,12 @@ from transformers.generation import logits_process as lp
 from .acceptance import accept_greedy, accept_sampling, sample
 from .processors import process_scores
 
+# Temperatures below this decode greedily, as in vLLM (its _SAMPLING_EPS). The sample is
+# argmax(logits / T + g), with Gumbel noise g that _gumbel's clamp bounds to [-3.9, 16.2]: below 1e-5
+# only a token within 20 T (< 2e-4) of the top logit could win instead, and far smaller T overflow
+# float32 (at T = 1e-40, logits / T is inf, then NaN: an empty answer).
+GREEDY_BELOW = 1e-5
+
 
 def _idx(rows, which) -> list[int]:
     """The row indices a pass runs: the first rows (a slice) or some (an index tensor)."""
@@ -71,7 +77,8 @@ class RequestPolicy:
         self.drawn = [0] * capacity  # positions drawn so far, in order: noise i is the i-th draw
 
     def set_request(self, r: int, request) -> None:
-        self.settings[r] = (request.temperature, request.top_k, request.top_p)
+        temperature = request.temperature if request.temperature >= GREEDY_BELOW else 0.0
+        self.settings[r] = (temperature, request.top_k, request.top_p)
         seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()).item())
         self.generators[r] = torch.Generator(device=self.device).manual_seed(seed)
         self.noise[r], self.drawn[r] = {}, 0

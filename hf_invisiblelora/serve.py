@@ -21,6 +21,13 @@ that could start a stop string). Stop strings are checked on the engine's thread
 ``on_tokens`` callback (returning True ends the request at that cycle) and the text is cut before
 the stop string. A client that disconnects cancels its request (its row is freed at the next
 cycle). Nothing about a request is kept after it finishes.
+
+What is guarded (docs/serving.md, "Security model"): with ``--api-key`` every ``/v1`` route wants
+``Authorization: Bearer KEY``; a POST body must be ``application/json`` (a web page cannot send that
+cross-site without a CORS preflight) and at most ``--max-body-bytes``; adapters load at run time only
+with ``--allow-runtime-lora-updating``, from local folders inside the ``--lora-root`` folders. No
+response holds an exception's text: a 500 gives a request id (``X-Request-Id``), the log the details.
+SIGTERM drains: new requests get 503 while those in flight finish, for up to ``--shutdown-timeout`` s.
 """
 
 from __future__ import annotations
@@ -32,50 +39,84 @@ import json
 import logging
 import math
 import os
+import secrets
 import sys
 import threading
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 
 from .checks import BASE
-from .engine import AdapterBusy, LastAdapter, NotRunning, PromptTooLong, QueueFull, UnknownAdapter
+from .engine import (
+    AdapterBusy,
+    AdapterExists,
+    AdapterUnsupported,
+    LastAdapter,
+    NotRunning,
+    PromptTooLong,
+    QueueFull,
+    UnknownAdapter,
+)
 
 logger = logging.getLogger("hf_invisiblelora.serve")
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
+MAX_BODY_BYTES = 4 * 2**20  # --max-body-bytes: room for a 1 MB prompt, or a list of a million token ids
+MAX_JSON_DEPTH = 32  # the requests' own bodies are 5 deep (messages, content parts)
+MAX_INT_DIGITS = 20  # 2**64, one past the largest seed, has 20
+SHUTDOWN_TIMEOUT = 30  # --shutdown-timeout, seconds
+API_KEY_ENV = "HF_INVISIBLELORA_API_KEY"
+RUNTIME_LORA_ENV = "HF_INVISIBLELORA_ALLOW_RUNTIME_LORA_UPDATING"  # as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
+REQUEST_ID = "X-Request-Id"
 
 
 # --- errors ---
 
 
 class ApiError(Exception):
-    """An OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+    """An OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status.
+    ``cause``: an unexpected exception behind it, logged with the request id (its text is never in
+    the body, which says what is wrong in our words)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict | None = None, cause: BaseException | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers, self.cause = headers, cause
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def engine_unavailable() -> ApiError:
-    return ApiError(503, "The decoding engine is not running (see the server's log).", type="server_error",
-                    code="engine_unavailable")
-
-
 def not_found(model: str) -> ApiError:
-    return ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    return ApiError(404, f"The model {_show(model)} does not exist.", param="model", code="model_not_found")
+
+
+def internal_error(request_id: str) -> ApiError:
+    return ApiError(500, f"Internal error (request id {request_id}); the server's log has the details.",
+                    type="server_error", code="internal_error")
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "The server is shutting down; retry later or elsewhere.", type="server_error",
+                    code="server_shutting_down", headers={"Connection": "close"})
+
+
+def _show(value) -> str:
+    """A client's value as error messages quote it: its repr, cut short (a value can be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 # --- request parameters ---
@@ -90,17 +131,17 @@ def _number(body: dict, name: str, default, *, integer: bool = False):
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-        raise _bad(name, f"`{name}` must be {'an integer' if integer else 'a number'}, got {value!r}.")
+        raise _bad(name, f"`{name}` must be {'an integer' if integer else 'a number'}, got {_show(value)}.")
     if not integer:
         value = float(value)  # Transformers' warpers want floats
         if not math.isfinite(value):
-            raise _bad(name, f"`{name}` must be finite, got {value!r}.")
+            raise _bad(name, f"`{name}` must be finite, got {_show(value)}.")
     return value
 
 
 def _unsupported(body: dict, name: str, allowed=(None,)) -> None:
     if body.get(name) not in allowed:
-        raise ApiError(400, f"`{name}` is not supported by this server (got {body[name]!r}).", param=name,
+        raise ApiError(400, f"`{name}` is not supported by this server (got {_show(body[name])}).", param=name,
                        code="unsupported_parameter")
 
 
@@ -138,7 +179,7 @@ class Sampling:
         self.stop = stop
         self.stream = body.get("stream") or False
         if not isinstance(self.stream, bool):
-            raise _bad("stream", f"`stream` must be a boolean, got {self.stream!r}.")
+            raise _bad("stream", f"`stream` must be a boolean, got {_show(self.stream)}.")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict) or (options and not self.stream):
             raise _bad("stream_options", "`stream_options` must be an object, and only given with stream=true.")
@@ -398,34 +439,134 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+# --- request bodies ---
+
+
+async def json_body(request, limit: int) -> dict:
+    """The request's body, a JSON object of at most ``limit`` bytes. Only ``application/json`` is
+    read: a web page can POST text/plain or a form cross-site without a CORS preflight, so any other
+    content type is refused (415) before anything runs."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(415, "The request body must be JSON, sent with `Content-Type: application/json`.",
+                       code="unsupported_media_type")
+    # Counted here, not with FastAPI's max_body_size: that one answers a plain-text 413, not an error object.
+    too_large = ApiError(413, f"The request body is larger than this server accepts ({limit} bytes).",
+                         code="request_too_large")
+    if int(request.headers.get("content-length") or 0) > limit:  # the HTTP parser has checked it is a number
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return await run_in_threadpool(parse_json, b"".join(chunks))  # a body of megabytes takes a while
+
+
+def _bounded_int(text: str) -> int:
+    # A JSON integer of thousands of digits costs quadratic time to convert (Python refuses over 4300
+    # with a ValueError), and no field takes one: they are refused unconverted.
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ApiError(400, f"Integers in the request may have at most {MAX_INT_DIGITS} digits.", code="invalid_value")
+    return int(text)
+
+
+def _is_text(text: str) -> bool:
+    """Whether ``text`` is Unicode text: JSON's escapes can make lone surrogates, which UTF-8 cannot encode."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def parse_json(raw: bytes) -> dict:
+    """The JSON object in ``raw``; a 400 for anything else, and for what JSON allows but nothing here
+    can take: nesting deeper than MAX_JSON_DEPTH, huge integers (_bounded_int) and text with lone
+    surrogates (from escapes like "\\ud800"), on which the tokenizer and the encoder of our
+    responses fail."""
+    too_deep = ApiError(400, f"The request body is nested too deeply (at most {MAX_JSON_DEPTH} levels).",
+                        code="invalid_json")
+    try:
+        body = json.loads(raw, parse_int=_bounded_int)
+    except RecursionError:
+        raise too_deep from None
+    except UnicodeDecodeError:
+        raise ApiError(400, "The request body is not UTF-8 text.", code="invalid_json") from None
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"The request body is not valid JSON (at line {e.lineno}, column {e.colno}).",
+                       code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
+
+    def lone_surrogate(field):
+        return ApiError(400, f"{f'`{field}`' if field else 'A key'} holds text with a lone surrogate (such as "
+                        "\\ud800), which is not Unicode text.", param=field, code="invalid_value")
+
+    stack = [(body, None, 1)]  # (object or array, the top-level field it is in, its depth)
+    while stack:  # not recursive: a deep body must not exhaust the stack
+        container, field, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise too_deep
+        for key, value in container.items() if isinstance(container, dict) else enumerate(container):
+            if isinstance(key, str) and not _is_text(key):
+                raise lone_surrogate(None)
+            where = key if depth == 1 else field
+            if isinstance(value, str) and not _is_text(value):
+                raise lone_surrogate(where)
+            if isinstance(value, (list, dict)):
+                stack.append((value, where, depth + 1))
+    return body
+
+
 # --- the server ---
 
 
 class Server:
-    """The HTTP side of one engine: request parsing, the bridge, the routes (``app``)."""
+    """The HTTP side of one engine: request parsing, the bridge, the routes (``build_app``).
 
-    def __init__(self, engine, tokenizer, model_id: str, root: str | None = None):
+    ``root``: the base model's folder; ``adapter_paths``: each adapter's folder (both as given, for
+    /v1/models). ``api_key``: None, or what ``Authorization: Bearer`` must carry on /v1; adapters
+    load at run time only if ``runtime_updates``, from inside ``lora_roots`` (resolved folders;
+    none: anywhere); bodies of at most ``max_body_bytes``."""
+
+    def __init__(self, engine, tokenizer, model_id: str, root: str | None = None,
+                 adapter_paths: dict[str, str] | None = None, *, api_key: str | None = None,
+                 runtime_updates: bool = False, lora_roots: list[str] = (), max_body_bytes: int = MAX_BODY_BYTES):
         self.engine, self.tokenizer, self.model_id, self.root = engine, tokenizer, model_id, root
+        # Loaded adapters and those being loaded: a name in it is taken (load_adapter).
+        self.adapter_paths = dict(adapter_paths or {})
+        self.api_key, self.runtime_updates, self.lora_roots = api_key, runtime_updates, list(lora_roots)
+        self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.vocab = engine.inner.get_input_embeddings().num_embeddings
         self.in_flight: dict[int, Job] = {}
         self.metrics = Metrics(engine, model_id)
-        self.encode_lock = threading.Lock()
+        self.encode_lock = threading.Lock()  # one fast tokenizer is not safe to call from several threads
+        self.draining = False  # SIGTERM: new requests get 503 (Graceful)
+        self.active = 0  # HTTP requests being answered (FrontDoor)
 
     # helpers
 
     def alive(self) -> bool:
         return self.engine.alive
 
+    def unavailable(self) -> ApiError:
+        if self.draining:
+            return shutting_down()
+        return ApiError(503, "The decoding engine is not running (see the server's log).", type="server_error",
+                        code="engine_unavailable")
+
     def check_alive(self) -> None:
         if not self.alive():
-            raise engine_unavailable()
+            raise self.unavailable()
 
     def adapter_for(self, model) -> str:
         if model is None or model in (self.model_id, BASE):
             return BASE
         if not isinstance(model, str):
-            raise _bad("model", f"`model` must be a string, got {model!r}.")
+            raise _bad("model", f"`model` must be a string, got {_show(model)}.")
         if model in self.engine.adapters():
             return model
         raise not_found(model)
@@ -477,32 +618,51 @@ class Server:
             with self.encode_lock:
                 text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages
-            raise _bad("messages", f"The chat template failed on these messages: {e}") from e
+            raise ApiError(400, "This model's chat template refused these messages (for example, roles in an order "
+                           "it does not accept).", param="messages", code="invalid_value", cause=e) from e
         return self.encode(text, special=False)
 
     def room(self, prompt_len: int) -> int:
         """The most new tokens a prompt of this length can get (the default max_tokens of a chat)."""
         return max(self.engine.max_request_tokens - prompt_len, 1)
 
-    def submit(self, prompt: list[int], adapter: str, sampling: Sampling, chat: bool, model_name: str) -> Job:
+    async def submit(self, body: dict, adapter: str, sampling: Sampling, chat: bool) -> Job:
         from .engine import Request  # fastapi's Request is this module's
 
-        self.check_alive()
+        # Tokenizing a long prompt and checking its ids take seconds: in worker threads, not on the event loop.
+        prompt = await run_in_threadpool(self.chat_prompt if chat else self.completion_prompt, body)
         max_tokens = sampling.max_tokens or (self.room(len(prompt)) if chat else COMPLETION_DEFAULT_MAX_TOKENS)
         request = Request(prompt, adapter=adapter, max_tokens=max_tokens, temperature=sampling.temperature,
                           top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
                           on_tokens=StopWatch(self.tokenizer, sampling.stop) if sampling.stop else None)
         try:
-            job = Job(self, request, sampling.stop, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name)
+            await run_in_threadpool(self.engine.validate, request)
+            self.check_alive()
+            job = Job(self, request, sampling.stop, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                      body.get("model") or self.model_id)
         except QueueFull as e:
             raise ApiError(429, str(e), type="server_error", code="queue_full") from e
+        except NotRunning as e:  # stopped meanwhile
+            raise self.unavailable() from e
         except UnknownAdapter as e:  # unloaded meanwhile
             raise not_found(adapter) from e
-        except ValueError as e:
+        except ValueError as e:  # the engine's own words for what is wrong with the request
             code = "context_length_exceeded" if isinstance(e, PromptTooLong) else "invalid_value"
             raise ApiError(400, str(e), param="messages" if chat else "prompt", code=code) from e
         self.metrics.prompt_tokens.inc(len(prompt))
         return job
+
+    def failure(self, job: Job, request_id: str) -> ApiError | None:
+        """Why a finished request has no answer, or None: it failed in the engine (500; the log has
+        the engine's error), or the engine stopped under it (503: the server is shutting down; a
+        request its client left is cancelled too, but then nobody asks)."""
+        if job.handle.finish_reason == "error":
+            logger.error("request %s failed in the engine: %s", request_id, job.handle.error)
+            return ApiError(500, f"The request failed in the engine (request id {request_id}); the server's log has "
+                            "the details.", type="server_error", code="engine_error")
+        if job.handle.finish_reason == "cancelled":
+            return self.unavailable()
+        return None
 
     # responses
 
@@ -523,19 +683,19 @@ class Server:
         return obj
 
     async def complete(self, request, kind: str):
-        body = await json_body(request)
+        request_id = request.state.request_id
+        body = await json_body(request, self.max_body_bytes)
         chat = kind == "chat"
         sampling = Sampling(body, chat)
         adapter = self.adapter_for(body.get("model"))
-        prompt = self.chat_prompt(body) if chat else self.completion_prompt(body)
-        job = self.submit(prompt, adapter, sampling, chat, body.get("model") or self.model_id)
+        job = await self.submit(body, adapter, sampling, chat)
         if sampling.stream:
-            return JobStream(job, self.events(job, kind, sampling.include_usage))
+            return JobStream(job, self.events(job, kind, sampling.include_usage, request_id))
         try:
             await job.collect(request)
-            if job.handle.finish_reason == "error":
-                raise ApiError(500, f"The request failed in the engine: {job.handle.error}", type="server_error",
-                               code="engine_error")
+            error = self.failure(job, request_id)
+            if error:
+                raise error
             obj = self.completion_object(job, kind, job.text.text, job.finish_reason, chunk=False)
             obj["usage"] = job.usage()
             return JSONResponse(obj)
@@ -545,9 +705,10 @@ class Server:
         finally:
             job.close()
 
-    async def events(self, job: Job, kind: str, include_usage: bool):
-        """Server-sent events in OpenAI's chunk format, then ``data: [DONE]``. Leaving early (the
-        client disconnected: the task is cancelled, or the generator closed) cancels the request."""
+    async def events(self, job: Job, kind: str, include_usage: bool, request_id: str):
+        """Server-sent events in OpenAI's chunk format, then ``data: [DONE]``; a request that fails
+        ends with an error event first. Leaving early (the client disconnected: the task is
+        cancelled, or the generator closed) cancels the request."""
         def sse(obj) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -558,9 +719,8 @@ class Server:
                 delta = job.text.add(chunk)
                 if delta:
                     yield sse(self.completion_object(job, kind, delta, None, chunk=True))
-            if job.handle.finish_reason == "error":
-                error = ApiError(500, f"The request failed in the engine: {job.handle.error}", type="server_error",
-                                 code="engine_error")
+            error = self.failure(job, request_id)
+            if error:
                 yield sse(error.body())
             else:
                 last = self.completion_object(job, kind, job.text.finish(), job.finish_reason, chunk=True)
@@ -569,45 +729,79 @@ class Server:
                     usage = self.completion_object(job, kind, "", None, chunk=True)
                     usage["choices"], usage["usage"] = [], job.usage()
                     yield sse(usage)
-            yield "data: [DONE]\n\n"
+        except Exception:  # noqa: BLE001 - the response has started: the client gets an error event, the log the rest
+            logger.exception("request %s failed while streaming", request_id)
+            yield sse(internal_error(request_id).body())
         finally:
             job.close()
+        yield "data: [DONE]\n\n"
 
     def models(self) -> dict:
         entry = dict(object="model", created=self.created, owned_by="hf_invisiblelora")
         data = [dict(entry, id=self.model_id, root=self.root or self.model_id, parent=None)]
-        data += [dict(entry, id=name, root=self.root or self.model_id, parent=self.model_id)
+        data += [dict(entry, id=name, root=self.adapter_paths.get(name), parent=self.model_id)
                  for name in self.engine.adapters()]
         return {"object": "list", "data": data}
 
+    def check_runtime_updates(self) -> None:
+        if not self.runtime_updates:
+            raise ApiError(404, "Loading and unloading adapters while serving is off on this server (the operator "
+                           "can start it with --allow-runtime-lora-updating).", code="not_found")
+
+    def adapter_folder(self, path: str) -> str:
+        """The folder ``lora_path`` names, symlinks and ``..`` resolved. Refused (403) outside every
+        --lora-root, whether it exists or not; then (400) unless it is a local PEFT adapter folder,
+        checked here because PEFT takes a path it does not find for a Hub repo id and downloads it."""
+        if "\x00" in path:
+            raise _bad("lora_path", "`lora_path` must not contain NUL characters.")
+        folder = os.path.realpath(os.path.expanduser(path))
+        if self.lora_roots and not any(os.path.commonpath([folder, root]) == root for root in self.lora_roots):
+            raise ApiError(403, "`lora_path` is outside the folders this server loads adapters from (--lora-root).",
+                           param="lora_path", code="lora_path_not_allowed")
+        problem = missing("`lora_path`", folder, "adapter_config.json", "a PEFT adapter folder")
+        if problem:
+            raise ApiError(400, f"{problem}.", param="lora_path", code="adapter_load_failed")
+        return folder
+
     async def load_adapter(self, request):
-        body = await json_body(request)
+        self.check_runtime_updates()
+        body = await json_body(request, self.max_body_bytes)
         name, path = body.get("lora_name"), body.get("lora_path")
         for key, value in (("lora_name", name), ("lora_path", path)):
             if not isinstance(value, str) or not value:
                 raise _bad(key, f"`{key}` must be a non-empty string.")
-        if name in (self.model_id, BASE) or name in self.engine.adapters():
-            raise ApiError(400, f"The name {name!r} is already in use (an adapter or the base model).",
-                           param="lora_name", code="adapter_exists")
+        folder = self.adapter_folder(path)
         self.check_alive()
+        # Checked and taken with no await in between, so atomic on the event loop: of two loads under
+        # one new name, the second gets adapter_exists here (and the engine's AdapterExists backs it up).
+        exists = ApiError(400, f"The name {_show(name)} is already in use (an adapter or the base model).",
+                          param="lora_name", code="adapter_exists")
+        if name in (self.model_id, BASE) or name in self.adapter_paths:
+            raise exists
+        self.adapter_paths[name] = path
         try:  # the engine refuses what it cannot serve (checks.check_model) and rolls back a failed load
-            await run_in_threadpool(self.engine.load_adapter, name, path)
-        except NotRunning as e:
-            raise engine_unavailable() from e
-        except ValueError as e:
-            raise ApiError(400, f"This server cannot serve the adapter at {path!r}: {e}", param="lora_path",
-                           code="adapter_unsupported") from e
+            await run_in_threadpool(self.engine.load_adapter, name, folder)
         except Exception as e:  # noqa: BLE001 - PEFT's errors for a bad folder are of many kinds
-            raise ApiError(400, f"Could not load the adapter from {path!r}: {type(e).__name__}: {e}",
-                           param="lora_path", code="adapter_load_failed") from e
-        logger.info("loaded adapter %r from %s", name, path)
+            del self.adapter_paths[name]
+            if isinstance(e, NotRunning):
+                raise self.unavailable() from e
+            if isinstance(e, AdapterExists):
+                raise exists from e
+            if isinstance(e, AdapterUnsupported):  # its message is ours: what cannot be served, and why
+                raise ApiError(400, f"This server cannot serve the adapter: {e}", param="lora_path",
+                               code="adapter_unsupported") from e
+            raise ApiError(400, "Could not load the PEFT adapter in `lora_path` onto this base model (its files are "
+                           "incomplete, or made for another model).", param="lora_path", code="adapter_load_failed",
+                           cause=e) from e
+        logger.info("loaded adapter %r from %s", name, folder)
         return {"object": "lora_adapter", "id": name, "status": "loaded"}
 
     async def unload_adapter(self, request):
-        body = await json_body(request)
+        self.check_runtime_updates()
+        body = await json_body(request, self.max_body_bytes)
         name = body.get("lora_name")
         if not isinstance(name, str) or name not in self.engine.adapters():
-            raise ApiError(404, f"No adapter named {name!r} is loaded.", param="lora_name", code="model_not_found")
+            raise ApiError(404, f"No adapter named {_show(name)} is loaded.", param="lora_name", code="model_not_found")
         self.check_alive()
         try:
             await run_in_threadpool(self.engine.unload_adapter, name)
@@ -617,7 +811,8 @@ class Server:
         except UnknownAdapter as e:  # unloaded meanwhile
             raise ApiError(404, str(e), param="lora_name", code="model_not_found") from e
         except NotRunning as e:
-            raise engine_unavailable() from e
+            raise self.unavailable() from e
+        self.adapter_paths.pop(name, None)
         logger.info("unloaded adapter %r", name)
         return {"object": "lora_adapter", "id": name, "status": "unloaded"}
 
@@ -644,40 +839,62 @@ class JobStream(StreamingResponse):
             self.job.close()
 
 
-async def json_body(request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"The request body is not valid JSON: {e}", code="invalid_json") from e
-    if not isinstance(body, dict):
-        raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
-    return body
-
-
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
           "/health", "/metrics")
 
 
-class CountRequests:
-    """ASGI middleware counting HTTP responses by endpoint and status (a plain ASGI wrapper:
-    Starlette's BaseHTTPMiddleware would get in the way of streaming and disconnects)."""
+class FrontDoor:
+    """ASGI middleware every HTTP request passes (a plain ASGI wrapper: Starlette's
+    BaseHTTPMiddleware would get in the way of streaming and disconnects): it gives the request an
+    id (``request.state.request_id``, the ``X-Request-Id`` response header), counts the responses
+    by endpoint and status, counts the requests being answered (``server.active``, which the drain
+    waits for) and, once the server drains, answers 503."""
 
-    def __init__(self, app, counter):
-        self.app, self.counter = app, counter
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         endpoint = path if path in ROUTES else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+        request_id = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
 
-        async def counting_send(message):
+        async def send_with_id(message):
+            nonlocal started
             if message["type"] == "http.response.start":
-                self.counter.labels(endpoint, str(message["status"])).inc()
+                started = True
+                MutableHeaders(scope=message).append(REQUEST_ID, request_id)
+                self.server.metrics.http.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        if self.server.draining:
+            error = shutting_down()
+            return await JSONResponse(error.body(), error.status, error.headers)(scope, receive, send_with_id)
+        self.server.active += 1
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            if not started:  # the 500 of the error handler goes out past this wrapper: count it here
+                self.server.metrics.http.labels(endpoint, "500").inc()
+            raise
+        finally:
+            self.server.active -= 1
+
+
+def require_key(key: str):
+    """A dependency refusing (401) a request without ``Authorization: Bearer <key>``."""
+    bearer = HTTPBearer(auto_error=False)
+    expected = key.encode()
+
+    async def check(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)):
+        given = credentials.credentials.encode() if credentials else b""
+        if not secrets.compare_digest(given, expected):  # in constant time: no timing hints of the key
+            raise ApiError(401, "Missing or wrong API key: send `Authorization: Bearer <key>`.",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return check
 
 
 def build_app(server: Server, stop_engine_on_shutdown: bool = False):
@@ -687,49 +904,56 @@ def build_app(server: Server, stop_engine_on_shutdown: bool = False):
         if stop_engine_on_shutdown:
             server.engine.stop()
 
-    app = FastAPI(title="hf_invisiblelora", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="hf_invisiblelora", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
+        if e.cause is not None:
+            logger.warning("request %s: %s", request.state.request_id, e.message, exc_info=e.cause)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(ApiError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
+        return JSONResponse(ApiError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(Exception)
     async def server_error(request, e: Exception):
-        logger.exception("unexpected error")
-        error = ApiError(500, f"Internal error: {type(e).__name__}: {e}", type="server_error", code="internal_error")
-        return JSONResponse(error.body(), status_code=500)
+        request_id = request.state.request_id
+        logger.error("request %s failed", request_id, exc_info=e)
+        return JSONResponse(internal_error(request_id).body(), status_code=500, headers={REQUEST_ID: request_id})
 
-    @app.post("/v1/completions")
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key(server.api_key))] if server.api_key else [])
+
+    @v1.post("/completions")
     async def completions(request: Request):
         return await server.complete(request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         return await server.complete(request, "chat")
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models():
         return server.models()
 
-    @app.get("/v1/models/{model_id:path}")
+    @v1.get("/models/{model_id:path}")
     async def model(model_id: str):
         for entry in server.models()["data"]:
             if entry["id"] == model_id:
                 return entry
         raise not_found(model_id)
 
-    @app.post("/v1/load_lora_adapter")
+    @v1.post("/load_lora_adapter")
     async def load_lora_adapter(request: Request):
         return await server.load_adapter(request)
 
-    @app.post("/v1/unload_lora_adapter")
+    @v1.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
         return await server.unload_adapter(request)
+
+    app.include_router(v1)
 
     @app.get("/health")
     async def health():
@@ -741,8 +965,50 @@ def build_app(server: Server, stop_engine_on_shutdown: bool = False):
         data, content_type = server.metrics.render()
         return Response(data, media_type=content_type)
 
-    app.add_middleware(CountRequests, counter=server.metrics.http)
+    app.add_middleware(FrontDoor, server=server)
     return app
+
+
+class Graceful(uvicorn.Server):
+    """uvicorn's server with a drain before its own shutdown. On the first SIGTERM (or SIGINT) new
+    requests get 503 (FrontDoor) while those in flight finish, for up to ``timeout`` seconds; then
+    the engine stops, which ends what still runs (a stream with an error event and ``[DONE]``, a
+    waiting call with 503), and uvicorn shuts down (its graceful shutdown lets those last
+    responses go out; the lifespan's end stops the engine, already stopped). A second signal is
+    uvicorn's own: its shutdown starts at once."""
+
+    def __init__(self, config: uvicorn.Config, server: Server, timeout: float):
+        super().__init__(config)
+        self.app_server, self.timeout = server, timeout
+        self.loop = self.drain_task = None
+
+    async def serve(self, sockets=None):
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame):
+        if self.app_server.draining:
+            return super().handle_exit(sig, frame)
+        self.app_server.draining = True
+        # A signal handler runs between two steps of the event loop's thread: the drain starts as a task of its own.
+        self.loop.call_soon_threadsafe(self.start_drain)
+
+    def start_drain(self):
+        self.drain_task = self.loop.create_task(self.drain())  # held: the loop keeps only weak references
+
+    async def drain(self):
+        server = self.app_server
+        deadline = self.loop.time() + self.timeout
+        logger.info("shutting down: new requests get 503; %d in flight have %g s to finish", server.active,
+                    self.timeout)
+        try:
+            while server.active and self.loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            if server.active:
+                logger.warning("ending %d request(s) still running after %g s", server.active, self.timeout)
+            await run_in_threadpool(server.engine.stop)
+        finally:  # whatever happens, uvicorn shuts down
+            self.should_exit = True
 
 
 # --- loading and the command line ---
@@ -765,8 +1031,9 @@ def load_model(path: str, loras: list[tuple[str, str]], dtype: str = "float32"):
 
 
 def load_zoo_model(name: str, adapters: list[str] | None, dtype: str):
-    """The zoo's base model with its adapters (``adapters``; default: every built one, or the
-    demo's four, trained first, when none is built)."""
+    """(model, tokenizer, base model folder, {adapter: its folder}): the zoo's base model with its
+    adapters (``adapters``; default: every built one, or the demo's four, trained first, when none
+    is built)."""
     import torch
 
     from . import zoo
@@ -778,18 +1045,18 @@ def load_zoo_model(name: str, adapters: list[str] | None, dtype: str):
         adapters = adapters or (DEMO_ADAPTERS if name == "smollm2" else None)
     zoo.build(name, only=adapters)  # a no-op when they are built
     model, tokenizer, names = zoo.load_zoo(name, adapters, dtype=getattr(torch, dtype))
-    return model, tokenizer, str(zoo.assets.prepare(name))
+    return model, tokenizer, str(zoo.assets.prepare(name)), {n: str(zoo.zoo_dir(name) / n) for n in names}
 
 
 def missing(option: str, path: str, needed: str, what: str) -> str | None:
-    """Why ``path`` (given as ``option``) is not the local folder it must be (``what``, holding the
-    file ``needed``), or None. Checked before loading: PEFT and Transformers would take a missing
-    folder for a Hub repo id."""
+    """Why ``path`` (given as ``option``, which names it) is not the local folder it must be
+    (``what``, holding the file ``needed``), or None. Checked before loading: PEFT and Transformers
+    would take a missing folder for a Hub repo id."""
     folder = os.path.expanduser(path)
     if not os.path.isdir(folder):
-        return f"{option}: {path} is not a folder"
+        return f"{option} is not a folder"
     if not os.path.isfile(os.path.join(folder, needed)):
-        return f"{option}: {path} has no {needed} ({what})"
+        return f"{option} has no {needed} ({what})"
     return None
 
 
@@ -819,10 +1086,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: OMP_NUM_THREADS, else the free CPUs)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require `Authorization: Bearer KEY` on every /v1 endpoint (default: ${API_KEY_ENV}; "
+                        "unset: no key)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   default=os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true"),
+                   help=f"serve /v1/load_lora_adapter and /v1/unload_lora_adapter (or ${RUNTIME_LORA_ENV}=1)")
+    p.add_argument("--lora-root", action="append", default=[], metavar="DIR",
+                   help="runtime loading reads adapters from inside these folders only (repeatable; none: anywhere)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="the largest request body (413 above)")
+    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT,
+                   help="on SIGTERM, seconds for the requests in flight to finish before they are ended")
     args = p.parse_args(argv)
+    if args.api_key is not None and not (args.api_key.isascii() and args.api_key.isprintable()
+                                         and args.api_key.strip() == args.api_key != ""):
+        p.error("the API key must be printable ASCII, without spaces around it (an HTTP header carries it)")
+    if args.max_body_bytes < 1 or args.shutdown_timeout < 0:
+        p.error("--max-body-bytes must be >= 1 and --shutdown-timeout >= 0")
 
     import torch
-    import uvicorn
 
     import hf_invisiblelora  # noqa: F401
 
@@ -833,7 +1115,8 @@ def main(argv: list[str] | None = None) -> int:
     problems = [missing(f"--lora {name}={path}", path, "adapter_config.json", "a PEFT adapter folder")
                 for name, path in args.lora]
     if args.model:
-        problems.insert(0, missing("--model", args.model, "config.json", "a Transformers model folder"))
+        problems.insert(0, missing(f"--model {args.model}", args.model, "config.json", "a Transformers model folder"))
+    problems += [f"--lora-root {root} is not a folder" for root in args.lora_root if not os.path.isdir(root)]
     if any(problems):
         print(f"error: {next(p for p in problems if p)}", file=sys.stderr)
         return 2
@@ -843,7 +1126,7 @@ def main(argv: list[str] | None = None) -> int:
         from .zoo.assets import EXIT_UNAVAILABLE
 
         try:
-            model, tokenizer, root = load_zoo_model(args.zoo, args.adapters, args.dtype)
+            model, tokenizer, root, adapter_paths = load_zoo_model(args.zoo, args.adapters, args.dtype)
         except AssetUnavailable as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_UNAVAILABLE
@@ -852,15 +1135,24 @@ def main(argv: list[str] | None = None) -> int:
         model_id = args.served_model_name or args.zoo
     else:
         model, tokenizer = load_model(args.model, args.lora, args.dtype)
-        model_id, root = args.served_model_name or args.model, args.model
+        model_id, root, adapter_paths = args.served_model_name or args.model, args.model, {}
+    adapter_paths.update(args.lora)
     if model_id in model.peft_config:
         raise SystemExit(f"error: an adapter is named like the base model ({model_id!r}); use --served-model-name")
     engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, num_draft_tokens=args.num_draft_tokens,
                     gate=args.gate, max_queue=args.max_queue).start()
-    server = Server(engine, tokenizer, model_id, root)
-    logger.info("serving %s with adapters %s on http://%s:%d", model_id, engine.adapters(), args.host, args.port)
-    uvicorn.run(build_app(server, stop_engine_on_shutdown=True), host=args.host, port=args.port,
-                log_level=args.log_level, timeout_graceful_shutdown=10)
+    lora_roots = [os.path.realpath(root) for root in args.lora_root]
+    server = Server(engine, tokenizer, model_id, root, adapter_paths, api_key=args.api_key,
+                    runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,
+                    max_body_bytes=args.max_body_bytes)
+    logger.info("serving %s with adapters %s on http://%s:%d; %s; runtime adapter loading %s", model_id,
+                engine.adapters(), args.host, args.port, "API key required" if args.api_key else "no API key",
+                f"on, from {lora_roots or 'any folder'}" if args.allow_runtime_lora_updating else "off")
+    # The drain (Graceful) has ended every request when uvicorn's own graceful shutdown starts: its
+    # timeout only bounds sending the last responses.
+    config = uvicorn.Config(build_app(server, stop_engine_on_shutdown=True), host=args.host, port=args.port,
+                            log_level=args.log_level, timeout_graceful_shutdown=5)
+    Graceful(config, server, args.shutdown_timeout).run()
     return 0
 
 

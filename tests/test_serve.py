@@ -6,7 +6,9 @@ its row; adapters load and unload while serving; seeded sampling repeats whateve
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from peft import PeftModel
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hf_invisiblelora.serve import API_KEY_ENV, RUNTIME_LORA_ENV
 from hf_invisiblelora.testing import tiny_peft, tiny_tokenizer
 
 ADAPTERS = ("s", "b", "c")
@@ -65,41 +68,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(files, tmp_path_factory):
-    """The server's base URL; the process is always terminated."""
+@contextlib.contextmanager
+def launch(files, log_path, *args: str, env: dict | None = None):
+    """The server on the saved files (adapters s, b, c; the base model as BASE_ID) with more
+    command-line ``args`` (and environment ``env``), its output in ``log_path``: yields (base URL,
+    process) once /health answers; the process is always terminated."""
     port = free_port()
     loras = [f"--lora={name}={files / 'adapters' / name}" for name in ADAPTERS]
-    log = (tmp_path_factory.mktemp("serve_log") / "server.log").open("w+")
     cmd = [sys.executable, "-P", "-m", "hf_invisiblelora.serve", "--model", str(files / "base"), *loras,
            "--served-model-name", BASE_ID, "--host", "127.0.0.1", "--port", str(port), "--max-batch", "4",
            "--max-len", str(MAX_LEN), "--num-draft-tokens", "2", "--gate", "always", "--threads", "1",
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"the server exited ({proc.returncode}):\n{log.read()[-4000:]}")
-            try:
-                if get(url, "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server did not come up in 120 s")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
+           "--log-level", "warning", *args]
+    # The server reads these from the environment: only the test decides them.
+    env = {**{k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, RUNTIME_LORA_ENV)}, **(env or {})}
+    with open(log_path, "w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            deadline = time.monotonic() + 120
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    pytest.fail(f"the server exited ({proc.returncode}):\n{log.read()[-4000:]}")
+                try:
+                    if get(url, "/health")[0] == 200:
+                        break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    pytest.fail("the server did not come up in 120 s")
+                time.sleep(0.2)
+            yield url, proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(files, tmp_path_factory):
+    """The server's base URL (adapters load while serving: --allow-runtime-lora-updating)."""
+    with launch(files, tmp_path_factory.mktemp("serve_log") / "server.log", "--allow-runtime-lora-updating") as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -346,8 +359,10 @@ def test_adapters_load_and_unload_while_serving(server, client, files, reference
     r = client.completions.create(model="new", prompt=ids, max_tokens=8, temperature=0)
     check_choice(r.choices[0], r.usage, generate(reference, ids, "new", 8), len(ids), 8)
     # Refused: a taken name, a folder without an adapter.
-    assert request(server, "/v1/load_lora_adapter", {"lora_name": "s", "lora_path": str(files / "spare" / "d")})[0] == 400
-    assert request(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(files / "nowhere")})[0] == 400
+    status, body = request(server, "/v1/load_lora_adapter", {"lora_name": "s", "lora_path": str(files / "spare" / "d")})
+    assert status == 400 and body["error"]["code"] == "adapter_exists"
+    status, body = request(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(files / "nowhere")})
+    assert status == 400 and body["error"]["code"] == "adapter_load_failed"
     # Unloading while a request uses it: 409; once it is gone (the client disconnected): unloaded.
     prompt = long_prompt(client, "new")
     stream = client.completions.create(model="new", prompt=prompt, max_tokens=900, temperature=0, stream=True)
