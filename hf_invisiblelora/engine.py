@@ -23,6 +23,18 @@ delivery ends only the requests in it (finish reason "error"; logged, and counte
 Adapters can be loaded and unloaded while serving (between cycles; unloading one that a request
 uses is refused). The engine holds the model's InvisibleLoRA lock while it runs: other
 ``generate(invisible_lora=True)`` calls on the model wait until it stops.
+
+What it holds can be bounded, as vLLM and SGLang do. ``max_loras``: distinct adapters in one pass
+(the base model is none); a request whose adapter would be one too many waits. ``max_cpu_loras``:
+adapters loaded in the model. The engine keeps the path of every adapter it serves (``load_adapter``,
+and ``adapter_paths`` for those given at construction, loaded or not): when a load would go past the
+bound it evicts the least recently used adapter that no request decodes with or waits for (for the
+load a waiting request needs, one that only requests after it wait for, if there is no other), and
+an evicted adapter is loaded again, between cycles, when a request names it. Admission stays first come,
+first served: the first request that must wait for a slot or a load is not overtaken for one, and the
+adapter in the batch that will be done first takes no new rows meanwhile, so it gets one within that
+adapter's budgets (``_pick``). A swap loads the new adapter before it evicts the old one (a failed load
+changes nothing, and PEFT keeps at least one adapter), so the model holds one adapter more for a moment.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import collections
 import ctypes
 import itertools
 import logging
+import os
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -64,6 +77,20 @@ def _release_openmp_threads() -> None:
         pass
 
 
+def _return_freed_memory() -> None:
+    """Hand the free pages of the C heap back to the OS (glibc's malloc_trim), after an adapter change
+    freed the old adapter bank.
+
+    Torch allocates the bank's stacks (many of 0.1-1 MB) from malloc's heap; glibc returns its free
+    memory to the OS only from the top of the heap, so the holes a freed bank leaves stay resident.
+    Measured on SmolLM2 with its zoo (2 CPUs): loading 11 more adapters grew the RSS by 770 MB, of
+    which 475 MB were free in the heap; malloc_trim(0) after each change returned them, in 40-120 ms."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc
+        pass
+
+
 class QueueFull(RuntimeError):
     """The engine's queue holds ``max_queue`` requests already."""
 
@@ -88,10 +115,24 @@ class LastAdapter(AdapterBusy):
     """The adapter cannot be unloaded: a PEFT model keeps at least one."""
 
 
+class AdapterExists(ValueError):
+    """An adapter of that name is served already (or the name is reserved)."""
+
+
+class AdapterUnsupported(ValueError):
+    """The adapter loaded, but the engine cannot serve it (checks.check_model says why); it was removed."""
+
+
 def _integer(value) -> int:
     if isinstance(value, bool) or not float(value).is_integer():
         raise ValueError(value)
     return int(value)
+
+
+def _bound(name: str, value) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be None or an int >= 1, got {value!r}.")
+    return value
 
 
 @dataclass
@@ -157,7 +198,11 @@ class Engine:
     (prompt + new tokens + drafts). See the module docstring."""
 
     def __init__(self, model, max_batch: int = 8, max_len: int = 1024, num_draft_tokens: int = 4,
-                 gate: str = "auto", max_queue: int = 1024):
+                 gate: str = "auto", max_queue: int = 1024, max_loras: int | None = None,
+                 max_cpu_loras: int | None = None, adapter_paths: dict | None = None):
+        """``max_loras``, ``max_cpu_loras``: the bounds of the module docstring (None: none).
+        ``adapter_paths``: {name: local PEFT adapter folder}, for adapters the model has loaded (so
+        that they can be evicted and loaded again) and for others, loaded when a request names them."""
         check_model(model)
         check_adapter_state(model, [], mixed=True)  # no dropout in training mode anywhere
         inner = model.get_base_model()
@@ -185,10 +230,29 @@ class Engine:
         self._decoder = None  # the engine thread's Decoder while it runs (read by tests)
         self._running = False
         self._state_lock = threading.Lock()  # metrics and adapter changes: read from other threads
-        self._adapters = list(model.peft_config)
+        self.max_loras, self.max_cpu_loras = _bound("max_loras", max_loras), _bound("max_cpu_loras", max_cpu_loras)
+        paths = {name: os.fspath(path) for name, path in (adapter_paths or {}).items()}
+        if BASE in paths:
+            raise ValueError(f"{BASE!r} is the base model, not an adapter name.")
+        # Every adapter served, loaded or evicted -> its folder (None: unknown, so it is never evicted).
+        # Changed on the engine's thread under _wake; submit() reads it under the same lock.
+        self._paths = {**{name: None for name in model.peft_config}, **paths}
+        if max_cpu_loras is not None:
+            unknown = [name for name in model.peft_config if self._paths[name] is None]
+            if len(model.peft_config) > max_cpu_loras:
+                raise ValueError(f"The model has {len(model.peft_config)} adapters loaded, more than max_cpu_loras="
+                                 f"{max_cpu_loras}; load fewer and give the others in adapter_paths.")
+            if len(unknown) >= max_cpu_loras:
+                raise ValueError(f"max_cpu_loras={max_cpu_loras} leaves no room to load an adapter besides {unknown}, "
+                                 "whose paths the engine does not know (it cannot evict them); give them in "
+                                 "adapter_paths.")
+        self._ticks = itertools.count()
+        self._used = {name: next(self._ticks) for name in self._paths}  # adapter -> when last used (LRU)
+        self._adapters = list(self._paths)
         self.metrics = dict(cycles=0, tokens=0, k_hist=collections.Counter(),
                             drafted=collections.Counter(), accepted=collections.Counter(), requests=0,
-                            failed_cycles=0, failed_requests=0)
+                            failed_cycles=0, failed_requests=0, loads=0, evictions=0,
+                            loaded_adapters=len(model.peft_config))
 
     # --- the client side (any thread) ---
 
@@ -200,8 +264,8 @@ class Engine:
         with self._wake:
             if not self.alive:
                 raise NotRunning(f"The engine is not running{f' (it failed: {self.error})' if self.error else ''}.")
-            if request.adapter != BASE and request.adapter not in self.model.peft_config:  # unloaded meanwhile
-                raise UnknownAdapter(f"Unknown adapter {request.adapter!r}; loaded: {list(self.model.peft_config)}.")
+            if request.adapter != BASE and request.adapter not in self._paths:  # unloaded meanwhile
+                raise UnknownAdapter(f"Unknown adapter {request.adapter!r}; served: {list(self._paths)}.")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue}); retry later.")
             self._waiting.append(handle)
@@ -227,8 +291,8 @@ class Engine:
             raise ValueError("temperature and top_p must be numbers; max_tokens, top_k and seed integers.") from None
         if request.seed is not None and not -(2**63) <= request.seed < 2**64:  # what torch's generators take
             raise ValueError(f"seed must be in [-2**63, 2**64), got {request.seed}.")
-        if request.adapter != BASE and request.adapter not in self.model.peft_config:
-            raise UnknownAdapter(f"Unknown adapter {request.adapter!r}; loaded: {self.adapters()}.")
+        if request.adapter != BASE and request.adapter not in self._paths:
+            raise UnknownAdapter(f"Unknown adapter {request.adapter!r}; served: {self.adapters()}.")
         if request.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}.")
         if not request.temperature >= 0:
@@ -249,6 +313,7 @@ class Engine:
         return min(self.max_len - self.num_draft_tokens - 1, self.max_positions or self.max_len)
 
     def adapters(self) -> list[str]:
+        """Every adapter the engine serves, loaded or evicted (loaded again when a request names it)."""
         with self._state_lock:
             return list(self._adapters)
 
@@ -265,33 +330,35 @@ class Engine:
 
     def load_adapter(self, name: str, path: str, timeout: float = 600) -> None:
         """Load a PEFT adapter between cycles. One the engine cannot serve (checks.check_model) is
-        refused with a ValueError and removed again, as is one PEFT fails to load."""
+        refused with a ValueError and removed again, as is one PEFT fails to load. Past
+        ``max_cpu_loras`` the least recently used idle adapter is evicted; if every other one is in
+        use, this one is (it stays served, loaded when a request names it)."""
         def load():
-            if name == BASE or name in self.model.peft_config:
-                raise ValueError(f"An adapter named {name!r} is already loaded (or reserved).")
-            try:
-                self.model.load_adapter(path, adapter_name=name)
-                self.model.eval()
-                check_model(self.model)
-            except Exception:
-                if name in self.model.peft_config:
-                    self.model.delete_adapter(name)
-                raise
+            if name == BASE or name in self._paths:
+                raise AdapterExists(f"An adapter named {name!r} is already served (or reserved).")
+            self._load(name, os.fspath(path))
+            with self._wake:
+                self._paths[name] = os.fspath(path)
+            self._fit(name, idle=True)
         self._command(load, timeout)
 
     def unload_adapter(self, name: str, timeout: float = 600) -> None:
-        """Unload an adapter between cycles; refused while a request uses it, and for the last one."""
+        """Unload an adapter between cycles (an evicted one too: the engine forgets it); refused while
+        a request uses it, and for the last one loaded."""
         def unload():
             with self._wake:  # submit() checks the adapter and queues a request under the same lock
-                if name not in self.model.peft_config:
-                    raise UnknownAdapter(f"No adapter named {name!r} is loaded; loaded: {list(self.model.peft_config)}.")
-                if len(self.model.peft_config) == 1:
-                    raise LastAdapter(f"{name!r} is the last adapter; a PEFT model keeps at least one.")
+                if name not in self._paths:
+                    raise UnknownAdapter(f"No adapter named {name!r} is served; served: {list(self._paths)}.")
+                loaded = name in self.model.peft_config
+                if loaded and len(self.model.peft_config) == 1:
+                    raise LastAdapter(f"{name!r} is the last adapter loaded; a PEFT model keeps at least one.")
                 busy = [h for h in list(self._waiting) + self._handles if h is not None and h.request.adapter == name]
                 if busy:
                     raise AdapterBusy(f"Adapter {name!r} is in use by {len(busy)} request(s); unload it when they "
                                        "are done.")
-                self.model.delete_adapter(name)
+                if loaded:
+                    self._delete(name)
+                del self._paths[name], self._used[name]
         self._command(unload, timeout)
 
     def _command(self, fn, timeout):
@@ -356,12 +423,13 @@ class Engine:
                                   capacity=self.max_batch, pad_id=self.pad_id, eos=self.eos, history=False)
                 self._decoder = decoder
                 while self._running:
-                    self._serve(decoder)
-                    if self._run_commands():
+                    needed = self._serve(decoder)
+                    if self._run_commands() | self._reload(needed):
                         # An adapter change: a new bank (its slots may move); the rows in flight keep going.
                         decoder.lora = fwd.lora = lora = self._switch()
                         lora.set_rows(decoder.names)
                         fwd.set_rows(decoder.names)
+                        _return_freed_memory()
             except Exception as e:  # noqa: BLE001 - every request learns the engine failed
                 logger.exception("hf_invisiblelora engine failed")
                 self.error = f"{type(e).__name__}: {e}"
@@ -383,17 +451,20 @@ class Engine:
             logger.info("hf_invisiblelora engine: PEFT's own LoRA layers compute the passes (%s).", why)
         return SWITCHES["peft" if why else "bank"](self.model, True, self.state.mine)
 
-    def _serve(self, decoder: Decoder) -> None:
-        """Cycles until a command (an adapter change) arrives or the engine stops."""
+    def _serve(self, decoder: Decoder) -> str | None:
+        """Cycles until a command (an adapter change) arrives, the engine stops, or the first
+        waiting request needs an evicted adapter loaded (its name is returned)."""
         with decoder.lora.installed(), torch.no_grad():
             while True:
                 with self._wake:
                     while self._running and self._commands.empty() and not self._waiting and not self.running():
                         self._wake.wait()
                 if not self._commands.empty() or not self._running:
-                    return
+                    return None
                 self._drop_cancelled(decoder)
-                self._admit(decoder)
+                needed = self._admit(decoder)
+                if needed is not None:
+                    return needed
                 if decoder.rows.active:
                     self._cycle(decoder)
 
@@ -426,27 +497,148 @@ class Engine:
                 changed = True
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 box["error"] = e
-            with self._state_lock:
-                self._adapters = list(self.model.peft_config)
+            self._publish_adapters()
             done.set()
         return changed
 
-    def _admit(self, decoder: Decoder) -> None:
-        """Waiting requests take the free rows, first come first served, in prefill groups that fit."""
-        free = [r for r, h in enumerate(self._handles) if h is None]
-        joining = []
-        with self._wake:
-            while free and self._waiting:
-                joining.append((free.pop(0), self._waiting.popleft()))
-        if not joining:
+    def _publish_adapters(self) -> None:
+        with self._state_lock:
+            self._adapters = list(self._paths)
+            self.metrics["loaded_adapters"] = len(self.model.peft_config)
+
+    # --- bounded adapters (the engine's thread) ---
+
+    def _load(self, name: str, path: str) -> None:
+        """Load an adapter into the model; one PEFT fails to load or the engine cannot serve
+        (checks.check_model) is removed again: then the model is as it was."""
+        try:
+            self.model.load_adapter(path, adapter_name=name)
+            self.model.eval()
+            try:
+                check_model(self.model)
+            except ValueError as e:
+                raise AdapterUnsupported(str(e)) from e
+        except Exception:
+            if name in self.model.peft_config:
+                self._delete(name)
+            raise
+        self._used[name] = next(self._ticks)
+        with self._state_lock:
+            self.metrics["loads"] += 1
+
+    def _delete(self, name: str) -> None:
+        """PEFT's delete_adapter, another adapter made the active one first if ``name`` is: PEFT takes
+        the next one from its first LoRA layer, and where that layer holds no other, the model's
+        active adapter stays the deleted one (then every PEFT call on the model fails)."""
+        if name in self.model.active_adapters:
+            self.model.set_adapter(next(a for a in self.model.peft_config if a != name), inference_mode=True)
+        self.model.delete_adapter(name)
+
+    def _evictable(self, keep: str, running, idle: bool) -> list[str]:
+        """Loaded adapters that may be evicted now, the best first: not ``keep``, not in ``running``
+        (the batch's rows read them), with a known path (to load them again); ``idle``: nor any a
+        waiting request names. Those no waiting request names first, then least recently used."""
+        waiting = {h.request.adapter for h in self._waiting}
+        return sorted((a for a in self.model.peft_config if a != keep and a not in running and self._paths.get(a)
+                       and not (idle and a in waiting)), key=lambda a: (a in waiting, self._used[a]))
+
+    def _fit(self, loaded: str, idle: bool) -> None:
+        """After loading ``loaded``: if that makes one adapter more than max_cpu_loras, evict the
+        first of ``_evictable`` (``loaded`` itself when there is none)."""
+        if self.max_cpu_loras is None or len(self.model.peft_config) <= self.max_cpu_loras:
             return
+        running = {h.request.adapter for h in self._handles if h is not None}
+        victim = next(iter(self._evictable(loaded, running, idle)), loaded)
+        self._delete(victim)
+        with self._state_lock:
+            self.metrics["evictions"] += 1
+        logger.info("hf_invisiblelora engine: evicted adapter %r (max_cpu_loras=%d)", victim, self.max_cpu_loras)
+
+    def _reload(self, name: str | None) -> bool:
+        """Load the evicted adapter ``name`` that the first waiting request needs (``_pick`` saw
+        room for it); True if it was loaded. If that fails, the requests waiting for it end with
+        "error" (it stays served: a later request tries again)."""
+        if name is None or name not in self._paths or name in self.model.peft_config:  # unloaded meanwhile
+            return False
+        try:
+            self._load(name, self._paths[name])
+            self._fit(name, idle=False)
+        except Exception as e:  # noqa: BLE001 - only the requests for this adapter are involved
+            logger.exception("hf_invisiblelora engine: loading adapter %r again failed", name)
+            with self._wake:
+                failed = [h for h in self._waiting if h.request.adapter == name]
+                for h in failed:
+                    self._waiting.remove(h)
+                    h._finish("error", f"loading adapter {name!r} failed: {type(e).__name__}: {e}")
+            with self._state_lock:
+                self.metrics["failed_requests"] += len(failed)
+            return name in self.model.peft_config
+        finally:
+            self._publish_adapters()
+        return True
+
+    def _pick(self, decoder: Decoder, free: int) -> tuple[list, str | None]:
+        """The waiting requests that take the ``free`` rows now, and the evicted adapter to load
+        first (or None). Called under _wake.
+
+        First come, first served. A request whose adapter is not in the batch needs a slot (at most
+        ``max_loras`` adapters in it) and its adapter loaded. The first one that cannot have them
+        yet blocks: no request after it gets a slot first, and the batch's adapter whose rows have
+        the fewest tokens left at most (the ``target``) takes no new rows, so it is done within
+        that many cycles and frees a slot (and, evicted, room to load); the requests that need
+        neither and are not the target's still join. Its adapter is loaded at once if
+        ``_evictable`` has room for it."""
+        rows, left = decoder.rows, {}  # the batch's adapters -> the most tokens one of their rows has left
+        for r, h in enumerate(self._handles):
+            if h is not None and h.request.adapter != BASE:
+                left[h.request.adapter] = max(left.get(h.request.adapter, 0), rows.max_new_h[r] - rows.gen_h[r])
+        picked, needed, target, blocked = [], None, None, False
+        for h in self._waiting:
+            if len(picked) == free:
+                break
+            a = h.request.adapter
+            if a == BASE or a in left:
+                if a != target:
+                    picked.append(h)
+                continue
+            if blocked:
+                continue
+            slot = self.max_loras is None or len(left) < self.max_loras
+            loaded = a in self.model.peft_config
+            if loaded and slot:
+                picked.append(h)
+                left[a] = h.request.max_tokens
+                continue
+            blocked = True
+            room = loaded or self.max_cpu_loras is None or len(self.model.peft_config) < self.max_cpu_loras \
+                or bool(self._evictable(a, left, idle=False))
+            if not loaded and room:
+                needed = a
+            if not (slot and room):  # wait for an adapter of the batch to be done (one that can be evicted, for room)
+                target = min((b for b in left if room or self._paths.get(b)), key=left.get, default=None)
+        return picked, needed
+
+    def _admit(self, decoder: Decoder) -> str | None:
+        """Waiting requests take the free rows (``_pick``), in prefill groups that fit; returns the
+        evicted adapter to load before the first waiting request can join, or None."""
+        free = [r for r, h in enumerate(self._handles) if h is None]
+        if not free:
+            return None
+        with self._wake:
+            picked, needed = self._pick(decoder, len(free))
+            for h in picked:
+                self._waiting.remove(h)
+        joining = list(zip(free, picked))
+        if not joining:
+            return needed
         try:
             groups = self._groups(joining)
         except Exception as e:  # noqa: BLE001 - the joining requests are involved
             self._fail(decoder, joining, "admission", e)
-            return
+            return needed
         for group in groups:
             self._prefill(decoder, group)
+        return needed
 
     def _groups(self, joining: list) -> list[list]:
         """Split the joining (row, handle) pairs into prefill groups whose rows all fit.
@@ -474,6 +666,7 @@ class Engine:
         it raises, the group's requests end with "error" and the engine serves on (``_fail``)."""
         for r, h in group:
             self._handles[r] = h
+            self._used[h.request.adapter] = next(self._ticks)
         with self._state_lock:
             self.metrics["requests"] += len(group)
         try:
@@ -568,6 +761,7 @@ class Engine:
     def _release(self, decoder: Decoder, r: int, reason: str, error: str | None = None) -> None:
         h = self._handles[r]
         h.drafted, h.accepted = decoder.drafted[r], decoder.accepted[r]
+        self._used[h.request.adapter] = next(self._ticks)
         self._handles[r] = None
         decoder.names[r] = None
         decoder.policy.release(r)

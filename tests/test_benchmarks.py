@@ -41,3 +41,21 @@ def test_serving_benchmark_smoke(tmp_path):
             for job in run["requests"][mode]:
                 assert 1 <= job["tokens"] <= job["max_tokens"] and job["arrival"] <= job["first"] <= job["done"]
         assert run["modes"]["engine"]["engine"]["cycles"] > 0
+
+
+def test_memory_benchmark_smoke(tmp_path):
+    """RSS over load/use/unload cycles, many adapters loaded then unloaded, short requests, and
+    requests over bounded adapters (tiny model)."""
+    subprocess.run([sys.executable, str(BENCHMARKS / "bench_memory.py"), "--smoke", "--out", str(tmp_path)],
+                   check=True, capture_output=True, timeout=600)
+    res = json.loads((tmp_path / "memory.json").read_text())
+    assert res["command"].startswith("python ") and "--smoke" in res["command"] and res["machine"]
+    assert set(res["phases"]) == {"cycles", "many", "requests", "bounded"}
+    many = res["phases"]["many"]
+    assert many["adapters"] == 6 and len(many["rss_mb"]) == 6 and many["rss_at_end_mb"] > 0
+    assert res["phases"]["cycles"]["samples"] == 20
+    assert res["phases"]["requests"]["requests"] == 200 and res["phases"]["bounded"]["requests"] == 40
+    bounded = res["phases"]["bounded"]
+    assert bounded["failed"] == 0 and bounded["loads"] > 0 and bounded["evictions"] > 0
+    for r in (res["phases"][phase] for phase in ("cycles", "requests", "bounded")):
+        assert len(r["rss_mb"]) == r["samples"] and r["max_growth_mb"] >= 0 and r["rss_at_end_mb"] > 0
