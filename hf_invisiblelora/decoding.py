@@ -119,7 +119,7 @@ def verify(fwd, rows: Rows, hi: int, k: int, policy):
     start = rows.ends(hi) - 1
     ids = rows.tokens[:hi].gather(1, start[:, None] + torch.arange(k + 1, device=start.device))
     logits = fwd(ids, start, rows.kv_end(hi, k + 1), keep=k + 1, rows=slice(0, hi))
-    return policy.scores(rows, slice(0, hi), logits, offset=0)
+    return policy.scores(rows, slice(0, hi), logits, offset=0, target=True)
 
 
 def commit(rows: Rows, hi: int, n, next_token, k: int, eos, criteria, freeze: bool, members=None, timed=(),
@@ -148,7 +148,8 @@ def commit(rows: Rows, hi: int, n, next_token, k: int, eos, criteria, freeze: bo
     if eos is not None:
         offsets = torch.arange(k + 1, device=tokens.device)
         new = tokens.gather(1, end[:, None] + offsets)
-        is_eos = torch.isin(new, eos) & (offsets < kept[:, None])
+        hit = torch.isin(new, eos) if eos.dim() == 1 else (new[:, :, None] == eos[:hi, None, :]).any(-1)
+        is_eos = hit & (offsets < kept[:, None])
         stopped = is_eos.any(1)
         kept = torch.where(stopped, is_eos.long().argmax(1) + 1, kept)
     kept_h, stopped_h, n_h = torch.stack([kept, stopped.long(), n]).tolist()
@@ -193,7 +194,8 @@ class Decoder:
     """Rows of one shared cache, decoded in cycles (see the module docstring).
 
     ``fwd``: the forward object (forward.py), ``lora``: the LoRA switch (adapters.py), ``policy``:
-    processing, picking and acceptance. ``eos``: [E] token ids or None; ``criteria``: stopping
+    processing, picking and acceptance. ``eos``: the stop token ids, [E] for every row or [C, E]
+    per row (-1 pads), or None; ``criteria``: stopping
     criteria beyond EOS and the budget (generate()'s); ``freeze``, ``timed``: see ``commit``. ``recompute``:
     a rotary.Recompute when standard decoding recomputes its cache at some slot. ``span``: run
     every pass over rows 0..span-1 (generate(): processors then see the whole batch, as in
@@ -232,7 +234,7 @@ class Decoder:
         logits = self.fwd(input_ids, torch.zeros_like(sub), p, keep=1, prefix=p, rows=sub)
         if self.keep_prefill:  # a copy: processors may edit their input in place
             self.prefill_logits = logits[:, -1].to(torch.float32, copy=True)
-        scores = self.policy.scores(self.rows, sub, logits, offset=0)
+        scores = self.policy.scores(self.rows, sub, logits, offset=0, target=True)
         if self.scores is not None:
             self.scores.record(sub, [0] * len(idx), scores)
         n, next_token = self.policy.accept(self.rows.tokens.new_zeros(len(idx), 0), None, scores, self.rows, sub)

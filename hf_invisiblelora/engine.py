@@ -61,6 +61,8 @@ from .state import state_of
 
 logger = logging.getLogger("hf_invisiblelora")
 _ids = itertools.count()
+MAX_LOGPROBS = 20  # the most likely tokens a request may ask for with each token (vLLM's default max_logprobs)
+MAX_STOP_TOKEN_IDS = 256
 
 
 def _release_openmp_threads() -> None:
@@ -138,7 +140,11 @@ def _bound(name: str, value) -> int | None:
 @dataclass
 class Request:
     """One completion: prompt token ids, adapter ("__base__": none) and sampling settings
-    (temperature 0: greedy; top_k 0: no limit). ``on_tokens(tokens)``, if given, is called (on the
+    (temperature 0: greedy; top_k 0: no limit; min_p 0: none), as generate() and vLLM take them:
+    ``repetition_penalty`` over the prompt and the output, ``min_tokens`` before a stop token may
+    come, ``stop_token_ids`` ending the request besides the model's EOS ids (``ignore_eos``: not
+    those). ``logprobs``: None, or how many of the most likely tokens to return with each token's
+    raw log-probability (``Handle.logprobs``). ``on_tokens(tokens)``, if given, is called (on the
     engine's thread) with each chunk of committed tokens; returning True stops the request there
     (stop strings)."""
 
@@ -148,6 +154,12 @@ class Request:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: list = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
     seed: int | None = None
     on_tokens: object = None
     id: int = field(default_factory=lambda: next(_ids))
@@ -156,11 +168,14 @@ class Request:
 class Handle:
     """A submitted request: iterate to get its committed token chunks; ``cancel()`` frees its row
     at the next cycle. ``finish_reason``: "stop", "length", "cancelled" or "error" once finished
-    (``error`` then says why: its on_tokens callback raised, or the engine failed in a step it was in)."""
+    (``error`` then says why: its on_tokens callback raised, or the engine failed in a step it was in).
+    ``logprobs`` (a request that asked): per token so far, (log-probability, [(token id,
+    log-probability)] of the most likely), filled before its chunk is handed over."""
 
     def __init__(self, request: Request, engine: "Engine"):
         self.request, self.engine = request, engine
         self.tokens: list[int] = []
+        self.logprobs: list = []
         self.finish_reason = None
         self.error = None
         self.drafted = self.accepted = 0
@@ -170,9 +185,10 @@ class Handle:
     def cancel(self) -> None:
         self.engine._cancel(self)
 
-    def _put(self, tokens: list[int]) -> bool:
+    def _put(self, tokens: list[int], logprobs=()) -> bool:
         """Hand over committed tokens; True if the request's on_tokens callback asks to stop."""
         self.tokens += tokens
+        self.logprobs += logprobs
         self._chunks.put(tokens)
         return bool(self.request.on_tokens and self.request.on_tokens(tokens))
 
@@ -219,7 +235,7 @@ class Engine:
         self.state = state_of(model)
         eos = inner.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
-        self.eos = torch.tensor(eos, device=inner.device) if eos else None
+        self.eos_ids = eos  # a request's stop ids: these (unless ignore_eos) and its stop_token_ids
         self.pad_id = inner.generation_config.pad_token_id or (eos[0] if eos else 0)
         self._waiting = collections.deque()
         self._commands = queue.Queue()
@@ -285,10 +301,28 @@ class Engine:
             raise ValueError(f"The prompt must be token ids in [0, {self.vocab_size}).")
         try:
             request.temperature, request.top_p = float(request.temperature), float(request.top_p)
+            request.min_p, request.repetition_penalty = float(request.min_p), float(request.repetition_penalty)
             request.max_tokens, request.top_k = _integer(request.max_tokens), _integer(request.top_k)
+            request.min_tokens = _integer(request.min_tokens)
             request.seed = None if request.seed is None else _integer(request.seed)
+            request.logprobs = None if request.logprobs is None else _integer(request.logprobs)
+            request.stop_token_ids = [_integer(t) for t in request.stop_token_ids]
         except (TypeError, ValueError):
-            raise ValueError("temperature and top_p must be numbers; max_tokens, top_k and seed integers.") from None
+            raise ValueError("temperature, top_p, min_p and repetition_penalty must be numbers; max_tokens, top_k, "
+                             "min_tokens, seed, logprobs and stop_token_ids integers.") from None
+        if not isinstance(request.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {request.ignore_eos!r}.")
+        if not 0 <= request.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {request.min_p}.")
+        if not 0 < request.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0, got {request.repetition_penalty}.")
+        if request.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {request.min_tokens}.")
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {request.logprobs}.")
+        if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS or \
+                any(not 0 <= t < self.vocab_size for t in request.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids in [0, {self.vocab_size}).")
         if request.seed is not None and not -(2**63) <= request.seed < 2**64:  # what torch's generators take
             raise ValueError(f"seed must be in [-2**63, 2**64), got {request.seed}.")
         if request.adapter != BASE and request.adapter not in self._paths:
@@ -420,7 +454,8 @@ class Engine:
                 fwd = EagerForward(inner, lora, self.max_batch, self.max_len, inner.device)
                 gate = Gate(self.gate_mode, self.num_draft_tokens, state.gate, BASE)
                 decoder = Decoder(fwd, lora, RequestPolicy(self.max_batch, inner.device), gate,
-                                  capacity=self.max_batch, pad_id=self.pad_id, eos=self.eos, history=False)
+                                  capacity=self.max_batch, pad_id=self.pad_id, history=False,
+                                  eos=torch.full((self.max_batch, max(len(self.eos_ids), 1)), -1, device=inner.device))
                 self._decoder = decoder
                 while self._running:
                     needed = self._serve(decoder)
@@ -680,13 +715,25 @@ class Engine:
                 mask[i, width - n:] = 1
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             for r, h in group:
-                decoder.policy.set_request(r, h.request)
+                stops = self._stops(decoder, r, h.request)
+                decoder.policy.set_request(r, h.request, stops)
             kept = decoder.admit([r for r, _ in group], ids, mask, positions, [h.request.max_tokens for _, h in group],
                                  [h.request.adapter for _, h in group])
         except Exception as e:  # noqa: BLE001 - only the group is involved; the rows decoding go on
             self._fail(decoder, group, "prefill", e)
             return
         self._deliver(decoder, kept)
+
+    def _stops(self, decoder: Decoder, r: int, request: Request) -> list[int]:
+        """Set row r's stop token ids in the decoder's per-row table (widened if they are more) and return them."""
+        stops = list(dict.fromkeys(([] if request.ignore_eos else self.eos_ids) + request.stop_token_ids))
+        table = decoder.eos
+        if len(stops) > table.shape[1]:
+            table = torch.cat([table, table.new_full((table.shape[0], len(stops) - table.shape[1]), -1)], 1)
+        table[r] = -1
+        table[r, : len(stops)] = torch.tensor(stops, dtype=table.dtype, device=table.device)
+        decoder.eos = table
+        return stops
 
     def _deliver(self, decoder: Decoder, kept: list[int]) -> None:
         rows = decoder.rows
@@ -706,8 +753,10 @@ class Engine:
             try:
                 if n:
                     end = rows.plen_h[r] + rows.gen_h[r]
+                    chunk, top = tokens[r][end - n : end], h.request.logprobs
+                    logprobs = () if top is None else decoder.policy.token_logprobs(r, rows.gen_h[r] - n, chunk, top)
                     try:
-                        stop = h._put(tokens[r][end - n : end])
+                        stop = h._put(chunk, logprobs)
                     except Exception as e:  # noqa: BLE001 - the request's own callback failed: only it ends
                         rows.done_h[r] = True
                         self._release(decoder, r, "error", f"on_tokens raised {type(e).__name__}: {e}")

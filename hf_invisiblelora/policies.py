@@ -4,8 +4,8 @@ the row indices of a prefill).
 
 - ``GeneratePolicy``: standard generate()'s processors over the batch (processors.py), greedy or
   speculative sampling with one generator (acceptance.py).
-- ``RequestPolicy``: each row a request of its own (engine.py): its temperature / top-p / top-k,
-  greedy or seeded sampling whose output depends only on the request (not on its batch mates or
+- ``RequestPolicy``: each row a request of its own (engine.py): its repetition penalty, min_tokens,
+  temperature / top-k / top-p / min-p, greedy or seeded sampling whose output depends only on the request (not on its batch mates or
   on how many tokens were drafted): sampling is the argmax of log-probabilities plus Gumbel noise
   drawn per token position from the request's seed (the Gumbel-max trick), so drafts and the
   target are compared as in greedy decoding, and each committed token is an exact sample.
@@ -42,7 +42,7 @@ class GeneratePolicy:
     def __init__(self, processors, do_sample: bool, generator=None):
         self.processors, self.do_sample, self.generator = processors, do_sample, generator
 
-    def scores(self, rows, which, logits, offset: int):
+    def scores(self, rows, which, logits, offset: int, target: bool = False):
         idx = _idx(rows, which)
         active = [i for i, r in enumerate(idx) if not rows.done_h[r]]
         return process_scores(self.processors, rows.tokens[which], _lengths(rows, idx, offset), logits, active)
@@ -59,33 +59,54 @@ class GeneratePolicy:
 
 
 class RequestPolicy:
-    """Each row its own request (engine.py): greedy (temperature 0) or sampled with its temperature,
-    top-k and top-p, applied as generate() applies them (Transformers' warpers, in its order).
+    """Each row its own request (engine.py): greedy (temperature 0) or sampled, its scores processed
+    as generate() processes them, by Transformers' own processors in generate()'s order: repetition
+    penalty (over the request's prompt and output), no stop token before ``min_tokens``, then, when
+    sampling, temperature, top-k, top-p and min-p.
 
     Sampling is greedy decoding on log-probabilities plus Gumbel noise: with g_i the noise drawn for
     generated position i from the request's seed, the token at i is argmax(log p_i + g_i), an exact
     sample from p_i (the Gumbel-max trick). The drafter's picks use the same noise, so drafts are
     accepted when they equal the target's pick, and the output depends only on the request: not on
     its batch mates, nor on how many tokens the gate drafted.
+
+    Log-probabilities (a request's ``logprobs``) are the target's raw ones: the log-softmax of the
+    LoRA-on logits before any processing, as vLLM returns by default. A target pass keeps them for
+    the rows that asked until their committed tokens are delivered (``token_logprobs``).
     """
 
     def __init__(self, capacity: int, device):
         self.device = device
-        self.settings = [None] * capacity  # (temperature, top_k, top_p) per row
+        self.requests = [None] * capacity  # the request in each row
+        self.processors = [[] for _ in range(capacity)]  # per row: those reading its tokens
         self.generators = [None] * capacity
         self.noise = [{} for _ in range(capacity)]  # row -> {generated position: Gumbel noise [V]}
         self.drawn = [0] * capacity  # positions drawn so far, in order: noise i is the i-th draw
+        self.kept = [None] * capacity  # row -> (generated position of the first, raw log-probs [q, V])
 
-    def set_request(self, r: int, request) -> None:
-        temperature = request.temperature if request.temperature >= GREEDY_BELOW else 0.0
-        self.settings[r] = (temperature, request.top_k, request.top_p)
+    def set_request(self, r: int, request, stops=()) -> None:
+        """Row r decodes ``request``; ``stops``: its stop token ids, none generated before min_tokens."""
+        self.requests[r] = request
+        procs = []
+        if request.repetition_penalty != 1.0:
+            procs.append(lp.RepetitionPenaltyLogitsProcessor(request.repetition_penalty))
+        if request.min_tokens and len(stops):
+            procs.append(lp.MinNewTokensLengthLogitsProcessor(len(request.prompt), request.min_tokens, list(stops),
+                                                              device=self.device))
+        self.processors[r] = procs
         seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()).item())
         self.generators[r] = torch.Generator(device=self.device).manual_seed(seed)
-        self.noise[r], self.drawn[r] = {}, 0
+        self.noise[r], self.drawn[r], self.kept[r] = {}, 0, None
 
     def release(self, r: int) -> None:
         """Forget row r's request (its settings, generator and noise); the next one sets its own."""
-        self.settings[r], self.generators[r], self.noise[r], self.drawn[r] = None, None, {}, 0
+        self.requests[r], self.processors[r], self.generators[r] = None, [], None
+        self.noise[r], self.drawn[r], self.kept[r] = {}, 0, None
+
+    def _sampling(self, r: int):
+        """(temperature, top_k, top_p, min_p) of a sampled row; None for a greedy one."""
+        q = self.requests[r]
+        return (q.temperature, q.top_k, q.top_p, q.min_p) if q.temperature >= GREEDY_BELOW else None
 
     def _gumbel(self, r: int, position: int, vocab: int):
         noise = self.noise[r]
@@ -95,24 +116,35 @@ class RequestPolicy:
             self.drawn[r] += 1
         return noise[position]
 
-    def scores(self, rows, which, logits, offset: int):
+    def scores(self, rows, which, logits, offset: int, target: bool = False):
         idx = _idx(rows, which)
         scores = logits.float()
         n, q, v = scores.shape
+        live = [i for i, r in enumerate(idx) if not rows.done_h[r] and self.requests[r] is not None]
+        if target:
+            for i in live:
+                if self.requests[idx[i]].logprobs is not None:
+                    self.kept[idx[i]] = (rows.gen_h[idx[i]], scores[i].log_softmax(-1))
+        for i in live:
+            r = idx[i]
+            if self.processors[r]:  # each position's context: the request's prompt and output before it
+                start = rows.plen_h[r] - len(self.requests[r].prompt)
+                end = rows.plen_h[r] + rows.gen_h[r] + offset
+                scores[i] = torch.cat([_apply(self.processors[r], rows.tokens[r, start:end + t][None], scores[i, t][None])
+                                       for t in range(q)])
         groups = {}
-        for i, r in enumerate(idx):
-            if not rows.done_h[r] and self.settings[r] is not None and self.settings[r][0] > 0:
-                groups.setdefault(self.settings[r], []).append(i)
-        for (temperature, top_k, top_p), members in groups.items():
+        for i in live:
+            if (setting := self._sampling(idx[i])) is not None:
+                groups.setdefault(setting, []).append(i)
+        for (temperature, top_k, top_p, min_p), members in groups.items():
             warpers = [lp.TemperatureLogitsWarper(temperature)]
             if top_k:
                 warpers.append(lp.TopKLogitsWarper(top_k))
             if top_p < 1:
                 warpers.append(lp.TopPLogitsWarper(top_p))
-            sub = scores[members].reshape(-1, v)
-            for w in warpers:
-                sub = w(None, sub)
-            sub = sub.log_softmax(-1).reshape(len(members), q, v)
+            if min_p > 0:
+                warpers.append(lp.MinPLogitsWarper(min_p))
+            sub = _apply(warpers, None, scores[members].reshape(-1, v)).log_softmax(-1).reshape(len(members), q, v)
             for j, i in enumerate(members):
                 r = idx[i]
                 start = rows.gen_h[r] + offset
@@ -121,8 +153,27 @@ class RequestPolicy:
             scores[members] = sub
         return scores
 
+    def token_logprobs(self, r: int, first: int, tokens: list[int], top: int) -> list:
+        """Row r's committed ``tokens`` (generated positions first, first + 1, ...): per token its
+        raw log-probability and the ``top`` most likely (token id, log-probability) pairs."""
+        start, logprobs = self.kept[r]
+        rows = logprobs[first - start : first - start + len(tokens)]
+        chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
+        best = rows.topk(top, -1) if top else None
+        chosen = chosen.tolist()
+        if best is None:
+            return [(c, []) for c in chosen]
+        values, ids = best.values.tolist(), best.indices.tolist()
+        return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids, values)]
+
     def pick(self, scores, rows, which, offset: int):
         return scores.argmax(-1), None
 
     def accept(self, drafts, draft_probs, scores, rows, which):
         return accept_greedy(drafts, scores)
+
+
+def _apply(processors, input_ids, scores):
+    for p in processors:
+        scores = p(input_ids, scores)
+    return scores

@@ -57,6 +57,7 @@ from starlette.exceptions import HTTPException
 
 from .checks import BASE
 from .engine import (
+    MAX_LOGPROBS,
     AdapterBusy,
     AdapterExists,
     AdapterUnsupported,
@@ -145,13 +146,49 @@ def _unsupported(body: dict, name: str, allowed=(None,)) -> None:
                        code="unsupported_parameter")
 
 
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise _bad(name, f"`{name}` must be a boolean, got {_show(value)}.")
+    return bool(value)
+
+
+# Fields a request may carry. Honoured: what Sampling reads. Neutral: accepted at the value that
+# asks for nothing (vLLM's and OpenAI's defaults), refused otherwise. Anything else is refused by
+# name, as OpenAI's API refuses an unrecognized argument: a field nobody reads must not pass as honoured.
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids",
+                 "include_stop_str_in_output", "stream", "stream_options", "min_tokens", "ignore_eos",
+                 "repetition_penalty", "logprobs", "echo", "user", "return_tokens_as_token_ids"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
+                               "continue_final_message"}
+NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "best_of": (1,),
+           "suffix": ("",), "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
+           "use_beam_search": (False,), "prompt_logprobs": (), "truncate_prompt_tokens": (),
+           "return_token_ids": (False,), "structured_outputs": (), "guided_json": (), "guided_regex": (),
+           "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (), "response_format": (),
+           "skip_special_tokens": (True,), "chat_template": (), "chat_template_kwargs": (), "parallel_tool_calls": ()}
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
+MAX_N = 16  # choices per request: each takes a row of the engine
+
+
 class Sampling:
-    """The sampling fields of a completion or chat request, validated."""
+    """A completion or chat request's parameters, validated: every field either honoured, neutral
+    (NEUTRAL) or refused with a 400 naming it (docs/serving.md lists them)."""
 
     def __init__(self, body: dict, chat: bool):
-        n = _number(body, "n", 1, integer=True)
-        if n != 1:
-            raise ApiError(400, f"Only n=1 is supported, got n={n}.", param="n", code="unsupported_parameter")
+        known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+        for name in body:
+            if name not in known and name not in NEUTRAL:
+                shown = name if len(name) <= 64 and name.isprintable() else _show(name)
+                raise ApiError(400, f"Unknown parameter `{shown}`.", param=shown, code="unsupported_parameter")
+        for name, allowed in NEUTRAL.items():
+            if name == "response_format" and chat:
+                allowed = ({"type": "text"},)
+            _unsupported(body, name, (None, *allowed))
+        self.n = _number(body, "n", 1, integer=True)
+        if not 1 <= self.n <= MAX_N:
+            raise _bad("n", f"`n` must be in [1, {MAX_N}], got {self.n}.")
         self.temperature = _number(body, "temperature", 1.0)
         if self.temperature < 0:
             raise _bad("temperature", f"`temperature` must be >= 0, got {self.temperature}.")
@@ -162,6 +199,12 @@ class Sampling:
         if self.top_k < -1:
             raise _bad("top_k", f"`top_k` must be >= 1, or 0 / -1 for no limit; got {self.top_k}.")
         self.top_k = max(self.top_k, 0)
+        self.min_p = _number(body, "min_p", 0.0)
+        if not 0 <= self.min_p <= 1:
+            raise _bad("min_p", f"`min_p` must be in [0, 1], got {self.min_p}.")
+        self.repetition_penalty = _number(body, "repetition_penalty", 1.0)
+        if not self.repetition_penalty > 0:
+            raise _bad("repetition_penalty", f"`repetition_penalty` must be > 0, got {self.repetition_penalty}.")
         names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
         self.max_tokens = None
         for name in names:
@@ -169,6 +212,9 @@ class Sampling:
             if value is not None and value < 1:
                 raise _bad(name, f"`{name}` must be >= 1, got {value}.")
             self.max_tokens = self.max_tokens or value
+        self.min_tokens = _number(body, "min_tokens", 0, integer=True)
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise _bad("min_tokens", f"`min_tokens` must be in [0, max_tokens], got {self.min_tokens}.")
         self.seed = _number(body, "seed", None, integer=True)  # its range: the engine's check
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else stop or []
@@ -177,36 +223,81 @@ class Sampling:
         if len(stop) > MAX_STOP_STRINGS:
             raise _bad("stop", f"At most {MAX_STOP_STRINGS} stop strings, got {len(stop)}.")
         self.stop = stop
-        self.stream = body.get("stream") or False
-        if not isinstance(self.stream, bool):
-            raise _bad("stream", f"`stream` must be a boolean, got {_show(self.stream)}.")
+        ids = body.get("stop_token_ids") or []
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise _bad("stop_token_ids", "`stop_token_ids` must be a list of token ids.")
+        self.stop_token_ids = ids
+        self.include_stop = _flag(body, "include_stop_str_in_output")
+        self.ignore_eos = _flag(body, "ignore_eos")
+        self.echo = _flag(body, "echo")
+        self.token_ids_as_text = _flag(body, "return_tokens_as_token_ids")  # vLLM's: logprobs' tokens as "token_id:N"
+        self.stream = _flag(body, "stream")
         options = body.get("stream_options") or {}
-        if not isinstance(options, dict) or (options and not self.stream):
-            raise _bad("stream_options", "`stream_options` must be an object, and only given with stream=true.")
-        self.include_usage = bool(options.get("include_usage"))
-        for name in ("presence_penalty", "frequency_penalty"):
-            _unsupported(body, name, (None, 0, 0.0))
-        _unsupported(body, "logit_bias", (None, {}))
-        for name in ("tools", "functions", "tool_choice", "function_call"):
-            _unsupported(body, name, (None, [], "none"))
-        if chat:
-            _unsupported(body, "logprobs", (None, False))
-            _unsupported(body, "top_logprobs", (None, 0))
-            fmt = body.get("response_format")
-            if fmt is not None and fmt != {"type": "text"}:
-                raise ApiError(400, "`response_format` other than text is not supported.", param="response_format",
-                               code="unsupported_parameter")
-        else:
-            _unsupported(body, "logprobs", (None, 0))
-            _unsupported(body, "echo", (None, False))
-            _unsupported(body, "best_of", (None, 1))
-            _unsupported(body, "suffix", (None, ""))
+        if not isinstance(options, dict) or (options and not self.stream) or set(options) - STREAM_OPTIONS:
+            raise _bad("stream_options", "`stream_options` must be an object of include_usage and "
+                       "continuous_usage_stats, and only given with stream=true.")
+        self.include_usage = _flag(options, "include_usage")
+        self.continuous_usage = _flag(options, "continuous_usage_stats")
+        self.add_generation_prompt = self.continue_final = False
+        if chat:  # logprobs: true and top_logprobs: N, as OpenAI's chat API takes them
+            if not _flag(body, "logprobs"):
+                _unsupported(body, "top_logprobs", (None,))
+                self.logprobs = None
+            else:
+                self.logprobs = _number(body, "top_logprobs", 0, integer=True)
+            self.add_generation_prompt = body.get("add_generation_prompt", True)
+            self.continue_final = _flag(body, "continue_final_message")
+            if not isinstance(self.add_generation_prompt, bool) or (self.add_generation_prompt and self.continue_final):
+                raise _bad("continue_final_message", "`continue_final_message` continues the last message, so it "
+                           "needs add_generation_prompt=false.")
+        else:  # logprobs: N, the most likely tokens besides the chosen one (0: the chosen one's only)
+            self.logprobs = _number(body, "logprobs", None, integer=True)
+            if self.echo and self.logprobs is not None:
+                raise ApiError(400, "`echo` with `logprobs` asks for the prompt's log-probabilities, which this server "
+                               "does not compute.", param="echo", code="unsupported_parameter")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            param = "top_logprobs" if chat else "logprobs"
+            raise _bad(param, f"`{param}` must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+
+    def request(self, prompt: list[int], adapter: str, max_tokens: int, seed, on_tokens):
+        """The engine's Request for one choice."""
+        from .engine import Request  # fastapi's Request is this module's
+
+        return Request(prompt, adapter=adapter, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                       top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                       min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids),
+                       ignore_eos=self.ignore_eos, logprobs=self.logprobs, seed=seed, on_tokens=on_tokens)
 
 
-def find_stop(text: str, stops) -> int | None:
-    """Where the first stop string starts in ``text`` (None: none occurs)."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
+class Stops:
+    """Where a request's text ends: at the first stop string that ends past the text of its first
+    ``min_tokens - 1`` tokens (none counts before min_tokens tokens, as in vLLM), the stop string
+    cut off unless ``include``; a stop token ending the request (its EOS ids unless ignore_eos, its
+    stop_token_ids) leaves its text out unless ``include``, as vLLM does."""
+
+    def __init__(self, strings=(), min_tokens: int = 0, include: bool = False, token_ids=()):
+        self.strings, self.min_tokens, self.include = list(strings), min_tokens, include
+        self.token_ids = set(token_ids)
+
+    def cut(self, decode, tokens: list[int]) -> int | None:
+        """Where the text of ``tokens`` (``decode`` gives it) ends, or None: no stop string in it."""
+        if not self.strings or len(tokens) < self.min_tokens:
+            return None
+        text = decode(tokens)
+        floor = len(decode(tokens[: self.min_tokens - 1])) if self.min_tokens > 1 else 0
+        found = []
+        for s in self.strings:
+            i = text.find(s, max(0, floor - len(s) + 1))
+            if i >= 0:
+                found.append((i, i + len(s)))
+        if not found:
+            return None
+        start, end = min(found)
+        return end if self.include else start
+
+    def text_tokens(self, tokens: list[int]) -> list[int]:
+        """The tokens whose text is shown: a stop token at the end left out unless ``include``."""
+        return tokens[:-1] if tokens and not self.include and tokens[-1] in self.token_ids else tokens
 
 
 def held_tail(text: str, stops) -> int:
@@ -224,14 +315,14 @@ def held_tail(text: str, stops) -> int:
 class TextStream:
     """One request's text, detokenized incrementally: the whole token list is decoded after each
     chunk and the new suffix is emitted, so a multi-byte character split across tokens is never
-    emitted half (an incomplete one decodes as U+FFFD and is held back until it completes). With
-    stop strings, the text is cut at the first stop string (not included, as in OpenAI's API) and
-    a tail that could start one is held back until it is known not to."""
+    emitted half (an incomplete one decodes as U+FFFD and is held back until it completes). The
+    text ends where ``stops`` (a Stops) says, and a tail that could start a stop string is held back
+    until it is known not to. ``prefix``: text before the output (echo)."""
 
-    def __init__(self, tokenizer, stops=()):
-        self.tokenizer, self.stops = tokenizer, list(stops)
+    def __init__(self, tokenizer, stops: Stops | None = None, prefix: str = ""):
+        self.tokenizer, self.stops, self.prefix = tokenizer, stops or Stops(), prefix
         self.tokens: list[int] = []
-        self.text = ""
+        self.text = prefix
         self.sent = 0  # characters emitted
         self.stopped = False
         self.completion_tokens = 0  # tokens up to (and including) the one that completed a stop string
@@ -245,17 +336,19 @@ class TextStream:
             return ""
         before = len(self.tokens)
         self.tokens += tokens
-        text = self._decode(self.tokens)
-        cut = find_stop(text, self.stops) if self.stops else None
+        cut = self.stops.cut(self._decode, self.tokens)
         if cut is None:
-            self.text, self.completion_tokens = text, len(self.tokens)
+            text = self._decode(self.stops.text_tokens(self.tokens))
+            self.text, self.completion_tokens = self.prefix + text, len(self.tokens)
             safe = len(text.rstrip("\ufffd"))
-            safe -= held_tail(text[:safe], self.stops)
+            safe = len(self.prefix) + safe - held_tail(text[:safe], self.stops.strings)
         else:
-            self.stopped, self.text, safe = True, text[:cut], cut
-            self.completion_tokens = next(
-                (i for i in range(before + 1, len(self.tokens) + 1)
-                 if find_stop(self._decode(self.tokens[:i]), self.stops) is not None), len(self.tokens))
+            self.stopped = True
+            self.text = self.prefix + self._decode(self.tokens)[:cut]
+            safe = len(self.text)
+            self.completion_tokens = next((i for i in range(before + 1, len(self.tokens) + 1)
+                                           if self.stops.cut(self._decode, self.tokens[:i]) is not None),
+                                          len(self.tokens))
         return self._emit(safe)
 
     def finish(self) -> str:
@@ -271,17 +364,17 @@ class TextStream:
 
 class StopWatch:
     """A request's ``on_tokens`` callback (runs on the engine's thread): True once a stop string
-    occurs in the decoded text, which ends the request at that cycle. Never raises (an exception
+    ends the text (``stops``), which ends the request at that cycle. Never raises (an exception
     there would stop the engine): on an error it ends the request."""
 
-    def __init__(self, tokenizer, stops):
+    def __init__(self, tokenizer, stops: Stops):
         self.tokenizer, self.stops = tokenizer, stops
         self.tokens: list[int] = []
 
     def __call__(self, tokens: list[int]) -> bool:
         try:
             self.tokens += tokens
-            return find_stop(self.tokenizer.decode(self.tokens, skip_special_tokens=True), self.stops) is not None
+            return self.stops.cut(lambda t: self.tokenizer.decode(t, skip_special_tokens=True), self.tokens) is not None
         except Exception:  # noqa: BLE001
             logger.exception("stop-string check failed; ending the request")
             return True
@@ -295,18 +388,18 @@ class ClientGone(Exception):
 
 
 class Job:
-    """One submitted request: a thread iterates the engine's handle and hands each chunk to the
-    event loop; ``chunks()`` yields them there. ``close()`` cancels the request if it is not
-    finished (a client that went away) and forgets it."""
+    """One choice of a request: its engine request and handle, its text and the log-probabilities
+    not yet sent. A thread iterates the handle and hands each chunk to the event loop, into the
+    queue the request's choices share."""
 
-    def __init__(self, server: "Server", request, stops, id: str, model_name: str):
-        self.server, self.id, self.model_name = server, id, model_name
+    def __init__(self, server: "Server", request, stops: Stops, index: int, queue: asyncio.Queue, prefix: str = "",
+                 token_ids_as_text: bool = False):
+        self.server, self.index, self.queue, self.token_ids_as_text = server, index, queue, token_ids_as_text
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.text = TextStream(server.tokenizer, stops)
-        self.created = int(time.time())
+        self.text = TextStream(server.tokenizer, stops, prefix)
         self.start = time.perf_counter()
-        self.first_token_s = None
+        self.offset = len(prefix)  # text_offset of the next token (completions' logprobs)
+        self.logprobs_sent = 0
         self.handle = server.engine.submit(request)  # ValueError for a bad request
         server.in_flight[request.id] = self
         threading.Thread(target=self._pump, name=f"hf_invisiblelora-request-{request.id}", daemon=True).start()
@@ -320,24 +413,85 @@ class Job:
 
     def _send(self, item) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self, item))
         except RuntimeError:  # the event loop is closed: the server is shutting down
             pass
 
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.text.stopped else self.handle.finish_reason
+
+    def logprobs(self, chat: bool):
+        """The log-probabilities of the tokens shown since the last call, in the API's shape (None if not asked)."""
+        if self.handle.request.logprobs is None:
+            return None
+        upto = self.text.completion_tokens
+        tokens = self.handle.tokens[self.logprobs_sent:upto]
+        entries = self.handle.logprobs[self.logprobs_sent:upto]
+        self.logprobs_sent = max(upto, self.logprobs_sent)
+        decode = (lambda t: f"token_id:{t}") if self.token_ids_as_text else self.server.token_text
+        if chat:
+            def item(t, lp):
+                text = decode(t)
+                return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode("utf-8"))}
+            return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]}
+                                for t, (lp, top) in zip(tokens, entries)]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, (lp, top) in zip(tokens, entries):
+            text = decode(t)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_finite(lp))
+            out["top_logprobs"].append({**{decode(i): _finite(v) for i, v in top}, text: _finite(lp)})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    def close(self) -> None:
+        """Cancel the request if it is not finished (a client that went away) and forget it."""
+        if self.handle.finish_reason is None:
+            self.handle.cancel()
+            reason = "cancelled"
+        else:
+            reason = self.finish_reason
+        if self.server.in_flight.pop(self.handle.request.id, None) is not None:
+            self.server.metrics.finished.labels(reason).inc()
+            self.server.metrics.latency.observe(time.perf_counter() - self.start)
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, -9999.0)  # JSON has no -inf (vLLM clamps the same way)
+
+
+class Completion:
+    """One completion request: its ``n`` choices (Jobs) and what they share (id, prompt, queue)."""
+
+    def __init__(self, id: str, model_name: str, prompt_tokens: int):
+        self.id, self.model_name, self.prompt_tokens = id, model_name, prompt_tokens
+        self.created = int(time.time())
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.jobs: list[Job] = []
+        self.first_token_s = None
+
     async def chunks(self):
-        """Chunks of committed tokens until the request finishes."""
-        while (chunk := await self.queue.get()) is not None:
+        """(job, chunk of committed tokens) as they come, until every choice has finished."""
+        left = len(self.jobs)
+        while left:
+            job, chunk = await self.queue.get()
+            if chunk is None:
+                left -= 1
+                continue
             if self.first_token_s is None:
-                self.first_token_s = time.perf_counter() - self.start
-                self.server.metrics.ttft.observe(self.first_token_s)
-            yield chunk
+                self.first_token_s = time.perf_counter() - self.jobs[0].start
+                self.jobs[0].server.metrics.ttft.observe(self.first_token_s)
+            yield job, chunk
 
     async def collect(self, request) -> None:
         """Take every chunk (a non-streaming call); a client that disconnects meanwhile raises ClientGone."""
         async def consume():
-            async for chunk in self.chunks():
-                self.text.add(chunk)
-            self.text.finish()
+            async for job, chunk in self.chunks():
+                job.text.add(chunk)
+            for job in self.jobs:
+                job.text.finish()
 
         async def disconnected():
             while (await request.receive())["type"] != "http.disconnect":
@@ -353,24 +507,14 @@ class Job:
             raise ClientGone()
         consumer.result()
 
-    @property
-    def finish_reason(self) -> str:
-        return "stop" if self.text.stopped else self.handle.finish_reason
-
     def usage(self) -> dict:
-        prompt = len(self.handle.request.prompt)
-        return {"prompt_tokens": prompt, "completion_tokens": self.text.completion_tokens,
-                "total_tokens": prompt + self.text.completion_tokens}
+        completion = sum(job.text.completion_tokens for job in self.jobs)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
 
     def close(self) -> None:
-        if self.handle.finish_reason is None:
-            self.handle.cancel()
-            reason = "cancelled"
-        else:
-            reason = self.finish_reason
-        if self.server.in_flight.pop(self.handle.request.id, None) is not None:
-            self.server.metrics.finished.labels(reason).inc()
-            self.server.metrics.latency.observe(time.perf_counter() - self.start)
+        for job in self.jobs:
+            job.close()
 
 
 # --- metrics ---
@@ -414,6 +558,12 @@ class Metrics:
         yield CounterMetricFamily("hf_invisiblelora_failed_requests",
                                   "Requests ended with an error by a failed engine step they were in.",
                                   value=m.get("failed_requests", 0))
+        yield CounterMetricFamily("hf_invisiblelora_adapter_loads", "Adapters loaded into the model (at run time, "
+                                  "or again after an eviction).", value=m.get("loads", 0))
+        yield CounterMetricFamily("hf_invisiblelora_adapter_evictions",
+                                  "Idle adapters unloaded to stay within --max-cpu-loras.", value=m.get("evictions", 0))
+        yield GaugeMetricFamily("hf_invisiblelora_loaded_adapters", "Adapters loaded in the model now.",
+                                value=m.get("loaded_adapters", 0))
         yield GaugeMetricFamily("hf_invisiblelora_queue_length", "Requests waiting for a row.",
                                 value=self.engine.queue_length())
         yield GaugeMetricFamily("hf_invisiblelora_running_rows", "Rows decoding a request.", value=self.engine.running())
@@ -593,7 +743,11 @@ class Server:
             return self.check_ids(prompt, "prompt")
         raise _bad("prompt", "`prompt` must be a string or a list of token ids (one prompt per request).")
 
-    def chat_prompt(self, body: dict) -> list[int]:
+    def token_text(self, token: int) -> str:
+        """A token's own text (logprobs), as vLLM shows it."""
+        return self.tokenizer.decode([token])
+
+    def chat_messages(self, body: dict) -> list[dict]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _bad("messages", "`messages` must be a non-empty list of {role, content} objects.")
@@ -611,75 +765,110 @@ class Server:
             if content is not None and not isinstance(content, str):
                 raise _bad("messages", f"messages[{i}].content must be a string or a list of text parts.")
             plain.append({"role": m["role"], "content": content or ""})
+        return plain
+
+    def chat_prompt(self, body: dict, sampling: Sampling) -> list[int]:
+        plain = self.chat_messages(body)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "This model's tokenizer has no chat template; use /v1/completions.",
                            param="messages", code="no_chat_template")
         try:
             with self.encode_lock:
-                text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+                text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=sampling.add_generation_prompt,
+                                                          continue_final_message=sampling.continue_final,
+                                                          tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages
             raise ApiError(400, "This model's chat template refused these messages (for example, roles in an order "
                            "it does not accept).", param="messages", code="invalid_value", cause=e) from e
         return self.encode(text, special=False)
 
+    def echo_text(self, body: dict, prompt: list[int], sampling: Sampling, chat: bool) -> str:
+        """What ``echo`` puts before each choice's text: the prompt (completions); in a chat, the last
+        message's content when the answer is in its role (vLLM's rule: the assistant's unless
+        add_generation_prompt is false)."""
+        if not sampling.echo:
+            return ""
+        if not chat:
+            return body["prompt"] if isinstance(body["prompt"], str) else self.tokenizer.decode(prompt)
+        last = self.chat_messages(body)[-1]
+        role = "assistant" if sampling.add_generation_prompt else last["role"]
+        return last["content"] if last["role"] == role else ""
+
     def room(self, prompt_len: int) -> int:
         """The most new tokens a prompt of this length can get (the default max_tokens of a chat)."""
         return max(self.engine.max_request_tokens - prompt_len, 1)
 
-    async def submit(self, body: dict, adapter: str, sampling: Sampling, chat: bool) -> Job:
-        from .engine import Request  # fastapi's Request is this module's
+    async def submit(self, body: dict, adapter: str, sampling: Sampling, chat: bool) -> Completion:
+        """Submit the request's ``n`` choices (each its own engine request; seeded choice i samples
+        with seed + i, as vLLM's). Refused (4xx) before any is submitted, or with all cancelled."""
+        def prepare():  # tokenizing a long prompt and checking its ids take seconds: not on the event loop
+            prompt = self.chat_prompt(body, sampling) if chat else self.completion_prompt(body)
+            return prompt, self.echo_text(body, prompt, sampling, chat)
 
-        # Tokenizing a long prompt and checking its ids take seconds: in worker threads, not on the event loop.
-        prompt = await run_in_threadpool(self.chat_prompt if chat else self.completion_prompt, body)
+        prompt, prefix = await run_in_threadpool(prepare)
         max_tokens = sampling.max_tokens or (self.room(len(prompt)) if chat else COMPLETION_DEFAULT_MAX_TOKENS)
-        request = Request(prompt, adapter=adapter, max_tokens=max_tokens, temperature=sampling.temperature,
-                          top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
-                          on_tokens=StopWatch(self.tokenizer, sampling.stop) if sampling.stop else None)
+        if sampling.min_tokens > max_tokens:
+            raise _bad("min_tokens", f"`min_tokens` ({sampling.min_tokens}) is more than max_tokens ({max_tokens}).")
+        eos = [] if sampling.ignore_eos else self.engine.eos_ids
+        stops = Stops(sampling.stop, sampling.min_tokens, sampling.include_stop, eos + sampling.stop_token_ids)
+        completion = Completion(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", body.get("model") or
+                                self.model_id, len(prompt))
         try:
-            await run_in_threadpool(self.engine.validate, request)
-            self.check_alive()
-            job = Job(self, request, sampling.stop, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                      body.get("model") or self.model_id)
-        except QueueFull as e:
-            raise ApiError(429, str(e), type="server_error", code="queue_full") from e
-        except NotRunning as e:  # stopped meanwhile
-            raise self.unavailable() from e
-        except UnknownAdapter as e:  # unloaded meanwhile
-            raise not_found(adapter) from e
-        except ValueError as e:  # the engine's own words for what is wrong with the request
-            code = "context_length_exceeded" if isinstance(e, PromptTooLong) else "invalid_value"
-            raise ApiError(400, str(e), param="messages" if chat else "prompt", code=code) from e
-        self.metrics.prompt_tokens.inc(len(prompt))
-        return job
+            for i in range(sampling.n):
+                seed = None if sampling.seed is None else sampling.seed + i
+                request = sampling.request(prompt, adapter, max_tokens, seed,
+                                           StopWatch(self.tokenizer, stops) if sampling.stop else None)
+                if i == 0:
+                    await run_in_threadpool(self.engine.validate, request)
+                self.check_alive()
+                completion.jobs.append(Job(self, request, stops, i, completion.queue, prefix,
+                                           sampling.token_ids_as_text))
+        except BaseException as e:
+            completion.close()
+            if isinstance(e, QueueFull):
+                raise ApiError(429, str(e), type="server_error", code="queue_full") from e
+            if isinstance(e, NotRunning):  # stopped meanwhile
+                raise self.unavailable() from e
+            if isinstance(e, UnknownAdapter):  # unloaded meanwhile
+                raise not_found(adapter) from e
+            if isinstance(e, ValueError):  # the engine's own words for what is wrong with the request
+                code = "context_length_exceeded" if isinstance(e, PromptTooLong) else "invalid_value"
+                raise ApiError(400, str(e), param="messages" if chat else "prompt", code=code) from e
+            raise
+        self.metrics.prompt_tokens.inc(len(prompt) * sampling.n)
+        return completion
 
-    def failure(self, job: Job, request_id: str) -> ApiError | None:
-        """Why a finished request has no answer, or None: it failed in the engine (500; the log has
-        the engine's error), or the engine stopped under it (503: the server is shutting down; a
+    def failure(self, completion: Completion, request_id: str) -> ApiError | None:
+        """Why a finished request has no answer, or None: a choice failed in the engine (500; the log
+        has the engine's error), or the engine stopped under it (503: the server is shutting down; a
         request its client left is cancelled too, but then nobody asks)."""
-        if job.handle.finish_reason == "error":
-            logger.error("request %s failed in the engine: %s", request_id, job.handle.error)
+        reasons = [job.handle.finish_reason for job in completion.jobs]
+        if "error" in reasons:
+            for job in completion.jobs:
+                if job.handle.error:
+                    logger.error("request %s failed in the engine: %s", request_id, job.handle.error)
             return ApiError(500, f"The request failed in the engine (request id {request_id}); the server's log has "
                             "the details.", type="server_error", code="engine_error")
-        if job.handle.finish_reason == "cancelled":
+        if "cancelled" in reasons:
             return self.unavailable()
         return None
 
     # responses
 
-    def completion_object(self, job: Job, kind: str, text: str, finish_reason, chunk: bool, first: bool = False):
-        obj = {"id": job.id, "created": job.created, "model": job.model_name}
-        if kind == "chat":
-            if chunk:
-                delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            else:
-                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                          "finish_reason": finish_reason}
-            obj["object"] = "chat.completion.chunk" if chunk else "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            obj["object"] = "text_completion"
-        obj["choices"] = [choice]
+    def choice(self, job: Job, kind: str, text: str, finish_reason, chunk: bool, first: bool = False) -> dict:
+        logprobs = job.logprobs(kind == "chat")
+        if kind != "chat":
+            return {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if not chunk:
+            return {"index": job.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": job.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def response(self, completion: Completion, kind: str, choices: list, chunk: bool) -> dict:
+        obj = {"id": completion.id, "created": completion.created, "model": completion.model_name}
+        obj["object"] = ("chat.completion.chunk" if chunk else "chat.completion") if kind == "chat" else "text_completion"
+        obj["choices"] = choices
         return obj
 
     async def complete(self, request, kind: str):
@@ -688,52 +877,56 @@ class Server:
         chat = kind == "chat"
         sampling = Sampling(body, chat)
         adapter = self.adapter_for(body.get("model"))
-        job = await self.submit(body, adapter, sampling, chat)
+        completion = await self.submit(body, adapter, sampling, chat)
         if sampling.stream:
-            return JobStream(job, self.events(job, kind, sampling.include_usage, request_id))
+            return JobStream(completion, self.events(completion, kind, sampling, request_id))
         try:
-            await job.collect(request)
-            error = self.failure(job, request_id)
+            await completion.collect(request)
+            error = self.failure(completion, request_id)
             if error:
                 raise error
-            obj = self.completion_object(job, kind, job.text.text, job.finish_reason, chunk=False)
-            obj["usage"] = job.usage()
+            choices = [self.choice(job, kind, job.text.text, job.finish_reason, chunk=False) for job in completion.jobs]
+            obj = self.response(completion, kind, choices, chunk=False)
+            obj["usage"] = completion.usage()
             return JSONResponse(obj)
         except ClientGone:
-            logger.info("client went away; request %s cancelled", job.handle.request.id)
+            logger.info("client went away; request %s cancelled", completion.id)
             return JSONResponse({}, status_code=499)
         finally:
-            job.close()
+            completion.close()
 
-    async def events(self, job: Job, kind: str, include_usage: bool, request_id: str):
+    async def events(self, completion: Completion, kind: str, sampling: Sampling, request_id: str):
         """Server-sent events in OpenAI's chunk format, then ``data: [DONE]``; a request that fails
         ends with an error event first. Leaving early (the client disconnected: the task is
-        cancelled, or the generator closed) cancels the request."""
-        def sse(obj) -> str:
+        cancelled, or the generator closed) cancels the request. With continuous_usage_stats every
+        chunk carries the usage so far."""
+        def sse(choices, usage=False) -> str:
+            obj = self.response(completion, kind, choices, chunk=True)
+            if usage or sampling.continuous_usage:
+                obj["usage"] = completion.usage()
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
         try:
             if kind == "chat":
-                yield sse(self.completion_object(job, kind, "", None, chunk=True, first=True))
-            async for chunk in job.chunks():
+                for job in completion.jobs:
+                    yield sse([self.choice(job, kind, "", None, chunk=True, first=True)])
+            async for job, chunk in completion.chunks():
                 delta = job.text.add(chunk)
-                if delta:
-                    yield sse(self.completion_object(job, kind, delta, None, chunk=True))
-            error = self.failure(job, request_id)
+                if delta or (job.handle.request.logprobs is not None and job.logprobs_sent < job.text.completion_tokens):
+                    yield sse([self.choice(job, kind, delta, None, chunk=True)])
+            error = self.failure(completion, request_id)
             if error:
-                yield sse(error.body())
+                yield f"data: {json.dumps(error.body())}\n\n"
             else:
-                last = self.completion_object(job, kind, job.text.finish(), job.finish_reason, chunk=True)
-                yield sse(last)
-                if include_usage:
-                    usage = self.completion_object(job, kind, "", None, chunk=True)
-                    usage["choices"], usage["usage"] = [], job.usage()
-                    yield sse(usage)
+                for job in completion.jobs:
+                    yield sse([self.choice(job, kind, job.text.finish(), job.finish_reason, chunk=True)])
+                if sampling.include_usage:
+                    yield sse([], usage=True)
         except Exception:  # noqa: BLE001 - the response has started: the client gets an error event, the log the rest
             logger.exception("request %s failed while streaming", request_id)
-            yield sse(internal_error(request_id).body())
+            yield f"data: {json.dumps(internal_error(request_id).body())}\n\n"
         finally:
-            job.close()
+            completion.close()
         yield "data: [DONE]\n\n"
 
     def models(self) -> dict:
@@ -824,19 +1017,19 @@ class Server:
 
 
 class JobStream(StreamingResponse):
-    """The streaming response of a job: whatever ends it (the last event, a client that went away,
-    a server shutting down) closes the job, also when the event generator never started."""
+    """The streaming response of a completion: whatever ends it (the last event, a client that went
+    away, a server shutting down) closes its jobs, also when the event generator never started."""
 
-    def __init__(self, job: Job, events):
+    def __init__(self, completion: Completion, events):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job = job
+        self.completion = completion
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.close()
+            self.completion.close()
 
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
@@ -1081,6 +1274,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded together")
     p.add_argument("--max-len", type=int, default=1024, help="cache slots per row: prompt + max_tokens + drafts + 1")
     p.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a row before 429")
+    p.add_argument("--max-loras", type=int, help="the most distinct adapters in one pass (default: no bound)")
+    p.add_argument("--max-cpu-loras", type=int,
+                   help="the most adapters kept loaded; idle ones are evicted LRU and loaded again on demand "
+                        "(default: no bound)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="the most tokens drafted per cycle (K)")
     p.add_argument("--gate", default="auto", choices=("auto", "always", "never"))
     p.add_argument("--dtype", default="float32", choices=DTYPES)
@@ -1103,6 +1300,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("the API key must be printable ASCII, without spaces around it (an HTTP header carries it)")
     if args.max_body_bytes < 1 or args.shutdown_timeout < 0:
         p.error("--max-body-bytes must be >= 1 and --shutdown-timeout >= 0")
+    if any(v is not None and v < 1 for v in (args.max_loras, args.max_cpu_loras)):
+        p.error("--max-loras and --max-cpu-loras must be >= 1")
 
     import torch
 
@@ -1133,14 +1332,17 @@ def main(argv: list[str] | None = None) -> int:
         for name, path in args.lora:
             model.load_adapter(path, adapter_name=name)
         model_id = args.served_model_name or args.zoo
-    else:
-        model, tokenizer = load_model(args.model, args.lora, args.dtype)
+    else:  # with --max-cpu-loras, the first ones loaded; the others when a request names them
+        model, tokenizer = load_model(args.model, args.lora[: args.max_cpu_loras], args.dtype)
         model_id, root, adapter_paths = args.served_model_name or args.model, args.model, {}
     adapter_paths.update(args.lora)
+    for name in list(model.peft_config)[args.max_cpu_loras or len(model.peft_config):]:
+        model.delete_adapter(name)  # more zoo adapters than --max-cpu-loras: loaded again on demand
     if model_id in model.peft_config:
         raise SystemExit(f"error: an adapter is named like the base model ({model_id!r}); use --served-model-name")
     engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, num_draft_tokens=args.num_draft_tokens,
-                    gate=args.gate, max_queue=args.max_queue).start()
+                    gate=args.gate, max_queue=args.max_queue, max_loras=args.max_loras,
+                    max_cpu_loras=args.max_cpu_loras, adapter_paths=adapter_paths).start()
     lora_roots = [os.path.realpath(root) for root in args.lora_root]
     server = Server(engine, tokenizer, model_id, root, adapter_paths, api_key=args.api_key,
                     runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,

@@ -89,11 +89,16 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model):
     assert other_seed != first  # the seed matters
 
 
-def exact_first_tokens(model, prompt, adapter, temperature, top_k, steps=2):
-    """P(first ``steps`` tokens) under generate()'s sampling (temperature, then top-k), by enumeration."""
+def exact_first_tokens(model, prompt, adapter, temperature, top_k, steps=2, min_p=0.0, repetition_penalty=1.0):
+    """P(first ``steps`` tokens) under generate()'s processing (repetition penalty, temperature,
+    top-k, min-p), by enumeration."""
     from transformers.generation import logits_process as lp
 
     warpers = [lp.TemperatureLogitsWarper(temperature), lp.TopKLogitsWarper(top_k)]
+    if repetition_penalty != 1.0:
+        warpers.insert(0, lp.RepetitionPenaltyLogitsProcessor(repetition_penalty))
+    if min_p:
+        warpers.append(lp.MinPLogitsWarper(min_p))
     out = {(): 1.0}
     for _ in range(steps):
         nxt = {}
@@ -125,6 +130,26 @@ def test_sampling_follows_the_target_distribution():
     assert chi_square_p(samples, target) > 1e-3
     assert chi_square_p(samples, exact_first_tokens(model, prompt, "__base__", 0.8, 3)) < 1e-6
     assert 0 < sum(h.accepted for h in handles) < sum(h.drafted for h in handles)  # drafts were judged
+
+
+def test_min_p_and_repetition_penalty_follow_the_target_distribution():
+    """Sampling with repetition_penalty and min_p (k = 2 drafts): generate()'s distribution with them;
+    without them it is told apart (the test has power)."""
+    model = tiny_peft("llama", vocab=8, adapters=("b", "d"), strength=1.5, seed=1)
+    prompt, n = [5, 2, 7, 3], 600
+    opts = dict(min_p=0.2, repetition_penalty=1.8)  # and ignore_eos: the enumeration goes on past EOS
+    target = exact_first_tokens(model, prompt, "b", 0.1, 8, **opts)  # this model's logits are flat: a low temperature
+    engine = Engine(model, max_batch=16, max_len=32, num_draft_tokens=2, gate="always").start()
+    try:
+        handles = [engine.submit(Request(prompt, adapter="b", max_tokens=3, temperature=0.1, seed=s, ignore_eos=True,
+                                         **opts)) for s in range(n)]
+        samples = [tuple(h.result(120)[:2]) for h in handles]
+    finally:
+        engine.stop()
+    assert chi_square_p(samples, target) > 1e-3
+    for without in ("min_p", "repetition_penalty"):  # each option shows
+        others = {k: v for k, v in opts.items() if k != without}
+        assert chi_square_p(samples, exact_first_tokens(model, prompt, "b", 0.1, 8, **others)) < 1e-6, without
 
 
 def test_cancel_frees_the_row(model):
@@ -281,7 +306,7 @@ def quiet(engine, timeout=30):
         time.sleep(0.005)
     decoder = engine._decoder
     assert all(decoder.rows.done_h) and decoder.names == [None] * engine.max_batch
-    assert decoder.policy.settings == [None] * engine.max_batch and engine._handles == [None] * engine.max_batch
+    assert decoder.policy.requests == [None] * engine.max_batch and engine._handles == [None] * engine.max_batch
 
 
 def test_requests_admitted_together_fit_their_rows(model, monkeypatch):
@@ -634,5 +659,70 @@ def test_adapter_changes_free_the_old_banks(tmp_path):
             gc.enable()
         assert sum(ref() is not None for ref in old) == 0
         assert counts[-1] <= counts[0]
+    finally:
+        engine.stop()
+
+
+def test_request_options_decode_as_generate_with_them(model):
+    """repetition_penalty, min_tokens, stop_token_ids and ignore_eos, mixed in one batch with drafts,
+    each equal to standalone generate() with Transformers' matching options (the model's EOS is a
+    token its greedy output reaches)."""
+    g = torch.Generator().manual_seed(5)
+    prompt = random_prompt(g, 4)
+    free = standalone(model, prompt, "b", 16)
+    at = next(i for i in range(3, 16) if free[i] not in free[:i])
+    eos_model = tiny_peft("llama", strength=0.6)
+    eos_model.generation_config.eos_token_id = eos = free[at]
+    stop = free[1]
+    cases = [  # engine request options -> generate() options
+        (dict(), dict()),
+        (dict(ignore_eos=True), dict(eos_token_id=[])),
+        (dict(stop_token_ids=[stop]), dict(eos_token_id=[eos, stop])),
+        (dict(min_tokens=at + 2), dict(min_new_tokens=at + 2)),
+        (dict(min_tokens=3, stop_token_ids=[stop], repetition_penalty=0.7), dict(min_new_tokens=3, eos_token_id=[eos, stop],
+                                                                                 repetition_penalty=0.7)),
+        (dict(repetition_penalty=1.6, ignore_eos=True), dict(repetition_penalty=1.6, eos_token_id=[])),
+        (dict(repetition_penalty=1.6, adapter="__base__"), dict(repetition_penalty=1.6, adapter="__base__")),
+    ]
+    expected = []
+    for opts, kw in cases:
+        kw = dict(kw)
+        adapter = kw.pop("adapter", "b")
+        stops = kw.pop("eos_token_id", [eos])
+        out = eos_model.generate(input_ids=torch.tensor([prompt]), adapter_names=[adapter], max_new_tokens=16,
+                                 do_sample=False, eos_token_id=stops or None, pad_token_id=0, **kw)[0, 4:].tolist()
+        cut = next((i for i, t in enumerate(out) if t in stops), None)
+        expected.append((out, "length") if cut is None else (out[: cut + 1], "stop"))
+    assert len({tuple(e) for e, _ in expected}) >= 5  # the options change the output
+    engine = Engine(eos_model, max_batch=4, max_len=64, num_draft_tokens=3, gate="always").start()
+    try:
+        handles = [engine.submit(Request(prompt, **{"adapter": "b", **opts}, max_tokens=16, temperature=0))
+                   for opts, _ in cases]
+        for (opts, _), (want, reason), h in zip(cases, expected, handles):
+            assert h.result(60) == want and h.finish_reason == reason, opts
+    finally:
+        engine.stop()
+
+
+def test_logprobs_are_the_targets_raw_ones(model):
+    """Each committed token's log-probability and the top ones: log-softmax of the LoRA-on logits at
+    its position (what a plain forward of the prompt and output gives), greedy and sampled, drafts or not."""
+    g = torch.Generator().manual_seed(8)
+    engine = Engine(model, max_batch=3, max_len=64, num_draft_tokens=3, gate="always").start()
+    try:
+        reqs = [Request(random_prompt(g, 3 + i), adapter=NAMES[i], max_tokens=9, temperature=(0, 0.8, 1.0)[i], seed=i,
+                        logprobs=(4, 0, 2)[i]) for i in range(3)]
+        handles = [engine.submit(r) for r in reqs]
+        for r, h in zip(reqs, handles):
+            out = h.result(60)
+            assert len(h.logprobs) == len(out)
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([r.prompt + out]), adapter_names=[r.adapter]).logits[0]
+            ref = logits[len(r.prompt) - 1 : -1].float().log_softmax(-1)
+            for j, (lp, top) in enumerate(h.logprobs):
+                assert abs(lp - float(ref[j, out[j]])) < 1e-5
+                best = ref[j].topk(r.logprobs)
+                assert [i for i, _ in top] == best.indices.tolist()
+                assert all(abs(v - w) < 1e-5 for (_, v), w in zip(top, best.values.tolist()))
     finally:
         engine.stop()

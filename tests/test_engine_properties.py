@@ -166,7 +166,7 @@ def test_request_mixes_decode_exactly(mix):
             wait_for(lambda: engine._decoder is not None)  # built on the engine's thread as it starts
             decoder = engine._decoder
             assert all(decoder.rows.done_h) and decoder.names == [None] * engine.max_batch
-            assert decoder.policy.settings == [None] * engine.max_batch
+            assert decoder.policy.requests == [None] * engine.max_batch
             m = engine.metrics_snapshot()
             if fault is not None:  # the engine serves on: a new request decodes exactly
                 again = SimpleNamespace(**{**vars(specs[0]), "cancel": None})

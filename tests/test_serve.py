@@ -299,8 +299,8 @@ def test_bad_input(server, client):
     with pytest.raises(openai.BadRequestError) as e:  # prompt + max_tokens longer than the cache
         client.completions.create(**{**kw, "prompt": [5] * MAX_LEN})
     assert_error(e.value, 400, "context_length_exceeded")
-    for bad in (dict(temperature=-0.5), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(n=2),
-                dict(echo=True), dict(logprobs=2), dict(prompt=[3, 64]), dict(prompt=[]), dict(prompt=""),
+    for bad in (dict(temperature=-0.5), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(n=0), dict(n=17),
+                dict(echo=True, logprobs=2), dict(logprobs=21), dict(prompt=[3, 64]), dict(prompt=[]), dict(prompt=""),
                 dict(prompt=["one", "two"]), dict(stop=[""]), dict(seed="x"), dict(presence_penalty=1.0)):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**{**kw, **bad})
@@ -421,14 +421,15 @@ def byte_tokenizer():
 
 @pytest.mark.parametrize("stops", [[], ["END"], ["☃ s"], ["zzz", "é"]])
 def test_text_stream_never_splits_characters_and_cuts_at_stop_strings(byte_tokenizer, stops):
-    from hf_invisiblelora.serve import StopWatch, TextStream
+    from hf_invisiblelora.serve import Stops, StopWatch, TextStream
 
     text = "snow ☃ snowman, café crème ✓ END of 日本語 text"
     ids = byte_tokenizer(text, add_special_tokens=False)["input_ids"]
     assert any("\ufffd" in byte_tokenizer.decode([t]) for t in ids)  # some tokens are parts of characters
     cut = min([text.find(s) for s in stops if s in text] or [len(text)])
     for chunk in (1, 2, 3):  # the engine commits several tokens at a time
-        stream, watch, deltas, stopped_at = TextStream(byte_tokenizer, stops), StopWatch(byte_tokenizer, stops), [], None
+        rule = Stops(stops)
+        stream, watch, deltas, stopped_at = TextStream(byte_tokenizer, rule), StopWatch(byte_tokenizer, rule), [], None
         for i in range(0, len(ids), chunk):
             deltas.append(stream.add(ids[i:i + chunk]))
             if stops and watch(ids[i:i + chunk]) and stopped_at is None:
