@@ -806,6 +806,7 @@ class Server:
             return prompt, self.echo_text(body, prompt, sampling, chat)
 
         prompt, prefix = await run_in_threadpool(prepare)
+        self.check_ids(sampling.stop_token_ids, "stop_token_ids")
         max_tokens = sampling.max_tokens or (self.room(len(prompt)) if chat else COMPLETION_DEFAULT_MAX_TOKENS)
         if sampling.min_tokens > max_tokens:
             raise _bad("min_tokens", f"`min_tokens` ({sampling.min_tokens}) is more than max_tokens ({max_tokens}).")
