@@ -1,6 +1,6 @@
 """Continuous batching: requests join free rows of one shared cache between cycles and leave as soon
 as they are done, each with its own adapter and sampling settings (the OpenAI-compatible server in
-serve.py runs on it; it is a plain object and needs no HTTP).
+serving/ runs on it; it is a plain object and needs no HTTP).
 
     engine = Engine(peft_model, max_batch=8)
     engine.start()

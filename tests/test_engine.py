@@ -438,7 +438,7 @@ def test_failures_are_in_the_metrics_endpoint(model):
     pytest.importorskip("fastapi")
     from prometheus_client.parser import text_string_to_metric_families
 
-    from hf_invisiblelora.serve import Metrics
+    from hf_invisiblelora.serving.metrics import Metrics
 
     engine = Engine(model, max_batch=1, max_len=32)
     engine.metrics.update(failed_cycles=2, failed_requests=3)

@@ -24,7 +24,7 @@ from peft import PeftModel
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_invisiblelora.serve import API_KEY_ENV, RUNTIME_LORA_ENV
+from hf_invisiblelora.serving.cli import API_KEY_ENV, RUNTIME_LORA_ENV
 from hf_invisiblelora.testing import tiny_peft, tiny_tokenizer
 
 ADAPTERS = ("s", "b", "c")
@@ -421,7 +421,7 @@ def byte_tokenizer():
 
 @pytest.mark.parametrize("stops", [[], ["END"], ["☃ s"], ["zzz", "é"]])
 def test_text_stream_never_splits_characters_and_cuts_at_stop_strings(byte_tokenizer, stops):
-    from hf_invisiblelora.serve import Stops, StopWatch, TextStream
+    from hf_invisiblelora.serving.text import Stops, StopWatch, TextStream
 
     text = "snow ☃ snowman, café crème ✓ END of 日本語 text"
     ids = byte_tokenizer(text, add_special_tokens=False)["input_ids"]

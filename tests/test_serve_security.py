@@ -31,7 +31,7 @@ from test_serve import (BASE_ID, CHAT_TEMPLATE, TEXTS, files, generate, launch, 
                         reference, wait_idle)
 
 import hf_invisiblelora
-from hf_invisiblelora.serve import API_KEY_ENV, RUNTIME_LORA_ENV
+from hf_invisiblelora.serving.cli import API_KEY_ENV, RUNTIME_LORA_ENV
 from hf_invisiblelora.testing import tiny_peft
 
 KEY = "test-key-7f3a9c"
@@ -495,7 +495,7 @@ def app_client():
     from starlette.testclient import TestClient
 
     from hf_invisiblelora.engine import Engine
-    from hf_invisiblelora.serve import Server, build_app
+    from hf_invisiblelora.serving.app import Server, build_app
     from hf_invisiblelora.testing import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
@@ -512,7 +512,7 @@ def app_client():
 
 def test_failures_inside_say_internal_error_with_a_request_id(app_client, monkeypatch):
     from hf_invisiblelora.decoding import Decoder
-    from hf_invisiblelora.serve import TextStream
+    from hf_invisiblelora.serving.text import TextStream
 
     client, server = app_client
     body = {"model": "s", "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0}
@@ -559,7 +559,7 @@ def test_failures_inside_say_internal_error_with_a_request_id(app_client, monkey
                                         (["--lora-root", "/no/such/root"], "--lora-root /no/such/root is not a folder")])
 def test_bad_security_options_exit_2(files, capsys, args, says):
     """Refused before anything loads (in this process: main() returns or exits before the model loads)."""
-    from hf_invisiblelora.serve import main
+    from hf_invisiblelora.serving.cli import main
 
     argv = ["--model", str(files / "base"), f"--lora=s={files / 'adapters' / 's'}", *args]
     with pytest.raises(SystemExit) if args[0] == "--api-key" else contextlib.nullcontext() as exited:

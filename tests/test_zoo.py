@@ -149,12 +149,14 @@ def test_the_core_imports_neither_the_zoo_nor_its_requirements():
     """The zoo is an extra: no module of the decoding core (or its kernels) imports it, tqdm or gguf.
     The server may, for its --zoo option only: inside the function that serves it, not on import."""
     import hf_invisiblelora.kernels
+    import hf_invisiblelora.serving
+    from hf_invisiblelora.serving import cli
 
     found = []
-    for package in (hf_invisiblelora, hf_invisiblelora.kernels):
+    for package in (hf_invisiblelora, hf_invisiblelora.kernels, hf_invisiblelora.serving):
         for path in sorted(Path(package.__file__).parent.glob("*.py")):
             tree = ast.parse(path.read_text())
-            for node in tree.body if path.name == "serve.py" else ast.walk(tree):
+            for node in tree.body if path == Path(cli.__file__) else ast.walk(tree):
                 if isinstance(node, ast.Import):
                     names = [alias.name for alias in node.names]
                 elif isinstance(node, ast.ImportFrom):

@@ -1,0 +1,35 @@
+"""An OpenAI-compatible HTTP server on the continuous-batching engine (engine.py).
+
+    python -m hf_invisiblelora.serve --model BASE_PATH --lora poetry=adapters/poetry --lora python=adapters/python
+    python -m hf_invisiblelora.serve --zoo smollm2 [--adapters shakespeare kjv ...]
+
+Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (both with ``stream``), ``/v1/models``,
+``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``, ``/health``, ``/metrics`` (Prometheus).
+The ``model`` field of a request names the adapter (as in vLLM); the base model's id (or
+``"__base__"``) means no adapter. Errors are OpenAI error objects with the matching status.
+docs/serving.md describes the API, the options, the errors and the metrics.
+
+Needs the ``serve`` extra (``pip install "hf-invisiblelora[serve]"``: FastAPI, uvicorn,
+prometheus-client); ``--zoo`` also needs ``zoo``.
+
+How a request runs: the handler validates it (400 / 404 before anything is queued), tokenizes the
+prompt and submits an ``engine.Request``. A small thread per request iterates the engine's
+``Handle`` and hands each chunk of committed tokens to the event loop
+(``loop.call_soon_threadsafe``); the handler detokenizes incrementally (the whole token list is
+decoded and the new suffix emitted, holding back an incomplete multi-byte character and any tail
+that could start a stop string). Stop strings are checked on the engine's thread by the request's
+``on_tokens`` callback (returning True ends the request at that cycle) and the text is cut before
+the stop string. A client that disconnects cancels its request (its row is freed at the next
+cycle). Nothing about a request is kept after it finishes.
+
+What is guarded (docs/serving.md, "Security model"): with ``--api-key`` every ``/v1`` route wants
+``Authorization: Bearer KEY``; a POST body must be ``application/json`` (a web page cannot send that
+cross-site without a CORS preflight) and at most ``--max-body-bytes``; adapters load at run time only
+with ``--allow-runtime-lora-updating``, from local folders inside the ``--lora-root`` folders. No
+response holds an exception's text: a 500 gives a request id (``X-Request-Id``), the log the details.
+SIGTERM drains: new requests get 503 while those in flight finish, for up to ``--shutdown-timeout`` s.
+
+Modules, one concept each: ``protocol`` (error objects, request bodies, the request parameters),
+``text`` (detokenization and stopping), ``bridge`` (a request's choices between the engine's
+thread and asyncio), ``metrics``, ``app`` (the Server and its routes), ``cli`` (loading and main).
+"""

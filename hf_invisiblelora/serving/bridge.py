@@ -1,0 +1,143 @@
+"""The bridge from the engine's thread to asyncio: a request's choices (Jobs) and their shared queue."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from .text import Stops, TextStream
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Job:
+    """One choice of a request: its engine request and handle, its text and the log-probabilities
+    not yet sent. A thread iterates the handle and hands each chunk to the event loop, into the
+    queue the request's choices share."""
+
+    def __init__(self, server, request, stops: Stops, index: int, queue: asyncio.Queue, prefix: str = "",
+                 token_ids_as_text: bool = False):
+        self.server, self.index, self.queue, self.token_ids_as_text = server, index, queue, token_ids_as_text
+        self.loop = asyncio.get_running_loop()
+        self.text = TextStream(server.tokenizer, stops, prefix)
+        self.start = time.perf_counter()
+        self.offset = len(prefix)  # text_offset of the next token (completions' logprobs)
+        self.logprobs_sent = 0
+        self.handle = server.engine.submit(request)  # ValueError for a bad request
+        server.in_flight[request.id] = self
+        threading.Thread(target=self._pump, name=f"hf_invisiblelora-request-{request.id}", daemon=True).start()
+
+    def _pump(self) -> None:
+        try:
+            for chunk in self.handle:
+                self._send(chunk)
+        finally:
+            self._send(None)
+
+    def _send(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self, item))
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.text.stopped else self.handle.finish_reason
+
+    def logprobs(self, chat: bool):
+        """The log-probabilities of the tokens shown since the last call, in the API's shape (None if not asked)."""
+        if self.handle.request.logprobs is None:
+            return None
+        upto = self.text.completion_tokens
+        tokens = self.handle.tokens[self.logprobs_sent:upto]
+        entries = self.handle.logprobs[self.logprobs_sent:upto]
+        self.logprobs_sent = max(upto, self.logprobs_sent)
+        decode = (lambda t: f"token_id:{t}") if self.token_ids_as_text else self.server.token_text
+        if chat:
+            def item(t, lp):
+                text = decode(t)
+                return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode("utf-8"))}
+            return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]}
+                                for t, (lp, top) in zip(tokens, entries)]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, (lp, top) in zip(tokens, entries):
+            text = decode(t)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_finite(lp))
+            out["top_logprobs"].append({**{decode(i): _finite(v) for i, v in top}, text: _finite(lp)})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    def close(self) -> None:
+        """Cancel the request if it is not finished (a client that went away) and forget it."""
+        if self.handle.finish_reason is None:
+            self.handle.cancel()
+            reason = "cancelled"
+        else:
+            reason = self.finish_reason
+        if self.server.in_flight.pop(self.handle.request.id, None) is not None:
+            self.server.metrics.finished.labels(reason).inc()
+            self.server.metrics.latency.observe(time.perf_counter() - self.start)
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, -9999.0)  # JSON has no -inf (vLLM clamps the same way)
+
+
+class Completion:
+    """One completion request: its ``n`` choices (Jobs) and what they share (id, prompt, queue)."""
+
+    def __init__(self, id: str, model_name: str, prompt_tokens: int):
+        self.id, self.model_name, self.prompt_tokens = id, model_name, prompt_tokens
+        self.created = int(time.time())
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.jobs: list[Job] = []
+        self.first_token_s = None
+
+    async def chunks(self):
+        """(job, chunk of committed tokens) as they come, until every choice has finished."""
+        left = len(self.jobs)
+        while left:
+            job, chunk = await self.queue.get()
+            if chunk is None:
+                left -= 1
+                continue
+            if self.first_token_s is None:
+                self.first_token_s = time.perf_counter() - self.jobs[0].start
+                self.jobs[0].server.metrics.ttft.observe(self.first_token_s)
+            yield job, chunk
+
+    async def collect(self, request) -> None:
+        """Take every chunk (a non-streaming call); a client that disconnects meanwhile raises ClientGone."""
+        async def consume():
+            async for job, chunk in self.chunks():
+                job.text.add(chunk)
+            for job in self.jobs:
+                job.text.finish()
+
+        async def disconnected():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        consumer, watcher = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
+        try:
+            done, _ = await asyncio.wait((consumer, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            consumer.cancel()  # a no-op once it is done
+        if consumer not in done:
+            raise ClientGone()
+        consumer.result()
+
+    def usage(self) -> dict:
+        completion = sum(job.text.completion_tokens for job in self.jobs)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def close(self) -> None:
+        for job in self.jobs:
+            job.close()

@@ -1,0 +1,205 @@
+"""The command line: loading the model and adapters, the drain on SIGTERM, and main()."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+import uvicorn
+from starlette.concurrency import run_in_threadpool
+
+from .app import Server, build_app, missing
+from .protocol import MAX_BODY_BYTES
+
+logger = logging.getLogger("hf_invisiblelora.serve")
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+SHUTDOWN_TIMEOUT = 30  # --shutdown-timeout, seconds
+API_KEY_ENV = "HF_INVISIBLELORA_API_KEY"
+RUNTIME_LORA_ENV = "HF_INVISIBLELORA_ALLOW_RUNTIME_LORA_UPDATING"  # as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
+
+
+class Graceful(uvicorn.Server):
+    """uvicorn's server with a drain before its own shutdown. On the first SIGTERM (or SIGINT) new
+    requests get 503 (FrontDoor) while those in flight finish, for up to ``timeout`` seconds; then
+    the engine stops, which ends what still runs (a stream with an error event and ``[DONE]``, a
+    waiting call with 503), and uvicorn shuts down (its graceful shutdown lets those last
+    responses go out; the lifespan's end stops the engine, already stopped). A second signal is
+    uvicorn's own: its shutdown starts at once."""
+
+    def __init__(self, config: uvicorn.Config, server: Server, timeout: float):
+        super().__init__(config)
+        self.app_server, self.timeout = server, timeout
+        self.loop = self.drain_task = None
+
+    async def serve(self, sockets=None):
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame):
+        if self.app_server.draining:
+            return super().handle_exit(sig, frame)
+        self.app_server.draining = True
+        # A signal handler runs between two steps of the event loop's thread: the drain starts as a task of its own.
+        self.loop.call_soon_threadsafe(self.start_drain)
+
+    def start_drain(self):
+        self.drain_task = self.loop.create_task(self.drain())  # held: the loop keeps only weak references
+
+    async def drain(self):
+        server = self.app_server
+        deadline = self.loop.time() + self.timeout
+        logger.info("shutting down: new requests get 503; %d in flight have %g s to finish", server.active,
+                    self.timeout)
+        try:
+            while server.active and self.loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            if server.active:
+                logger.warning("ending %d request(s) still running after %g s", server.active, self.timeout)
+            await run_in_threadpool(server.engine.stop)
+        finally:  # whatever happens, uvicorn shuts down
+            self.should_exit = True
+
+
+def load_model(path: str, loras: list[tuple[str, str]], dtype: str = "float32"):
+    """(PeftModel in eval mode with every adapter loaded, tokenizer) from a base model folder."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not loras:
+        raise SystemExit("error: give at least one --lora NAME=PATH (more can be loaded while serving)")
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    (first, first_path), rest = loras[0], loras[1:]
+    model = PeftModel.from_pretrained(base, first_path, adapter_name=first)
+    for name, adapter_path in rest:
+        model.load_adapter(adapter_path, adapter_name=name)
+    return model.eval(), AutoTokenizer.from_pretrained(path)
+
+
+def load_zoo_model(name: str, adapters: list[str] | None, dtype: str):
+    """(model, tokenizer, base model folder, {adapter: its folder}): the zoo's base model with its
+    adapters (``adapters``; default: every built one, or the demo's four, trained first, when none
+    is built)."""
+    import torch
+
+    from .. import zoo
+    from ..zoo.demo import DEMO_ADAPTERS
+
+    if not adapters:
+        manifest = zoo.read_manifest(zoo.zoo_dir(name))
+        adapters = [n for n in manifest["adapters"] if zoo.is_built(zoo.zoo_dir(name), n, manifest)]
+        adapters = adapters or (DEMO_ADAPTERS if name == "smollm2" else None)
+    zoo.build(name, only=adapters)  # a no-op when they are built
+    model, tokenizer, names = zoo.load_zoo(name, adapters, dtype=getattr(torch, dtype))
+    return model, tokenizer, str(zoo.assets.prepare(name)), {n: str(zoo.zoo_dir(name) / n) for n in names}
+
+
+def parse_lora(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hf_invisiblelora.serve", description=__doc__.split("\n")[0])
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="base model folder (AutoModelForCausalLM.from_pretrained)")
+    source.add_argument("--zoo", choices=("smollm2", "gemma3"), help="serve a zoo base model and its adapters")
+    p.add_argument("--lora", action="append", type=parse_lora, default=[], metavar="NAME=PATH",
+                   help="a PEFT LoRA adapter folder served as model NAME (repeatable)")
+    p.add_argument("--adapters", nargs="+", help="with --zoo: the zoo adapters to serve (default: every built one)")
+    p.add_argument("--served-model-name", help="the base model's id in the API (default: --model as given, or the zoo name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=8, help="rows decoded together")
+    p.add_argument("--max-len", type=int, default=1024, help="cache slots per row: prompt + max_tokens + drafts + 1")
+    p.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a row before 429")
+    p.add_argument("--max-loras", type=int, help="the most distinct adapters in one pass (default: no bound)")
+    p.add_argument("--max-cpu-loras", type=int,
+                   help="the most adapters kept loaded; idle ones are evicted LRU and loaded again on demand "
+                        "(default: no bound)")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="the most tokens drafted per cycle (K)")
+    p.add_argument("--gate", default="auto", choices=("auto", "always", "never"))
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: OMP_NUM_THREADS, else the free CPUs)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require `Authorization: Bearer KEY` on every /v1 endpoint (default: ${API_KEY_ENV}; "
+                        "unset: no key)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   default=os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true"),
+                   help=f"serve /v1/load_lora_adapter and /v1/unload_lora_adapter (or ${RUNTIME_LORA_ENV}=1)")
+    p.add_argument("--lora-root", action="append", default=[], metavar="DIR",
+                   help="runtime loading reads adapters from inside these folders only (repeatable; none: anywhere)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="the largest request body (413 above)")
+    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT,
+                   help="on SIGTERM, seconds for the requests in flight to finish before they are ended")
+    args = p.parse_args(argv)
+    if args.api_key is not None and not (args.api_key.isascii() and args.api_key.isprintable()
+                                         and args.api_key.strip() == args.api_key != ""):
+        p.error("the API key must be printable ASCII, without spaces around it (an HTTP header carries it)")
+    if args.max_body_bytes < 1 or args.shutdown_timeout < 0:
+        p.error("--max-body-bytes must be >= 1 and --shutdown-timeout >= 0")
+    if any(v is not None and v < 1 for v in (args.max_loras, args.max_cpu_loras)):
+        p.error("--max-loras and --max-cpu-loras must be >= 1")
+
+    import hf_invisiblelora  # noqa: F401 - the generate() hook and kernels, before the model is built
+
+    from ..engine import Engine
+    from ..threads import set_threads
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    problems = [missing(f"--lora {name}={path}", path, "adapter_config.json", "a PEFT adapter folder")
+                for name, path in args.lora]
+    if args.model:
+        problems.insert(0, missing(f"--model {args.model}", args.model, "config.json", "a Transformers model folder"))
+    problems += [f"--lora-root {root} is not a folder" for root in args.lora_root if not os.path.isdir(root)]
+    if any(problems):
+        print(f"error: {next(p for p in problems if p)}", file=sys.stderr)
+        return 2
+    logger.info(set_threads(args.threads))
+    if args.zoo:
+        from ..zoo import AssetUnavailable
+        from ..zoo.assets import EXIT_UNAVAILABLE
+
+        try:
+            model, tokenizer, root, adapter_paths = load_zoo_model(args.zoo, args.adapters, args.dtype)
+        except AssetUnavailable as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+        for name, path in args.lora:
+            model.load_adapter(path, adapter_name=name)
+        model_id = args.served_model_name or args.zoo
+    else:  # with --max-cpu-loras, the first ones loaded; the others when a request names them
+        model, tokenizer = load_model(args.model, args.lora[: args.max_cpu_loras], args.dtype)
+        model_id, root, adapter_paths = args.served_model_name or args.model, args.model, {}
+    adapter_paths.update(args.lora)
+    for name in list(model.peft_config)[args.max_cpu_loras or len(model.peft_config):]:
+        model.delete_adapter(name)  # more zoo adapters than --max-cpu-loras: loaded again on demand
+    if model_id in model.peft_config:
+        raise SystemExit(f"error: an adapter is named like the base model ({model_id!r}); use --served-model-name")
+    engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, num_draft_tokens=args.num_draft_tokens,
+                    gate=args.gate, max_queue=args.max_queue, max_loras=args.max_loras,
+                    max_cpu_loras=args.max_cpu_loras, adapter_paths=adapter_paths).start()
+    lora_roots = [os.path.realpath(root) for root in args.lora_root]
+    server = Server(engine, tokenizer, model_id, root, adapter_paths, api_key=args.api_key,
+                    runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,
+                    max_body_bytes=args.max_body_bytes)
+    logger.info("serving %s with adapters %s on http://%s:%d; %s; runtime adapter loading %s", model_id,
+                engine.adapters(), args.host, args.port, "API key required" if args.api_key else "no API key",
+                f"on, from {lora_roots or 'any folder'}" if args.allow_runtime_lora_updating else "off")
+    # The drain (Graceful) has ended every request when uvicorn's own graceful shutdown starts: its
+    # timeout only bounds sending the last responses.
+    config = uvicorn.Config(build_app(server, stop_engine_on_shutdown=True), host=args.host, port=args.port,
+                            log_level=args.log_level, timeout_graceful_shutdown=5)
+    Graceful(config, server, args.shutdown_timeout).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
