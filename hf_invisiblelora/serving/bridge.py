@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
 from .text import Stops, TextStream
+
+logger = logging.getLogger("hf_invisiblelora.serve")
 
 
 class ClientGone(Exception):
@@ -15,17 +18,21 @@ class ClientGone(Exception):
 
 class Job:
     """One choice of a request: its engine request and handle, its text and the log-probabilities
-    not yet sent. A thread iterates the handle and hands each chunk to the event loop, into the
-    queue the request's choices share."""
+    not yet sent. A thread of its own iterates the handle and detokenizes each chunk there (once,
+    off the engine's thread and the event loop); a stop string found cancels the request (its row
+    is freed at the next cycle; the text ends at the stop string whatever came after). It hands
+    (text delta, tokens shown) to the event loop, into the queue the request's choices share."""
 
     def __init__(self, server, request, stops: Stops, index: int, queue: asyncio.Queue, prefix: str = "",
                  token_ids_as_text: bool = False):
         self.server, self.index, self.queue, self.token_ids_as_text = server, index, queue, token_ids_as_text
         self.loop = asyncio.get_running_loop()
         self.text = TextStream(server.tokenizer, stops, prefix)
+        self.failed = False  # detokenizing raised (logged): the request was cancelled
         self.start = time.perf_counter()
         self.offset = len(prefix)  # text_offset of the next token (completions' logprobs)
         self.logprobs_sent = 0
+        self.shown = 0  # tokens the event loop has been handed (usage so far)
         self.handle = server.engine.submit(request)  # ValueError for a bad request
         server.in_flight[request.id] = self
         threading.Thread(target=self._pump, name=f"hf_invisiblelora-request-{request.id}", daemon=True).start()
@@ -33,7 +40,23 @@ class Job:
     def _pump(self) -> None:
         try:
             for chunk in self.handle:
-                self._send(chunk)
+                if self.failed or self.text.stopped:
+                    continue  # tokens committed before the cancellation took effect
+                try:
+                    delta = self.text.add(chunk)
+                except Exception:  # noqa: BLE001 - only this request is involved
+                    logger.exception("detokenizing request %s failed; cancelling it", self.handle.request.id)
+                    self.failed = True
+                    self.handle.cancel()
+                    continue
+                if self.text.stopped:
+                    self.handle.cancel()
+                self._send((delta, self.text.completion_tokens))
+            if not self.failed:
+                self._send((self.text.finish(), self.text.completion_tokens))
+        except Exception:  # noqa: BLE001
+            logger.exception("detokenizing request %s failed", self.handle.request.id)
+            self.failed = True
         finally:
             self._send(None)
 
@@ -44,14 +67,14 @@ class Job:
             pass
 
     @property
-    def finish_reason(self) -> str:
+    def finish_reason(self) -> str | None:
         return "stop" if self.text.stopped else self.handle.finish_reason
 
-    def logprobs(self, chat: bool):
-        """The log-probabilities of the tokens shown since the last call, in the API's shape (None if not asked)."""
+    def logprobs(self, chat: bool, upto: int):
+        """The log-probabilities of the tokens shown (the first ``upto``) since the last call, in the
+        API's shape (None if not asked)."""
         if self.handle.request.logprobs is None:
             return None
-        upto = self.text.completion_tokens
         tokens = self.handle.tokens[self.logprobs_sent:upto]
         entries = self.handle.logprobs[self.logprobs_sent:upto]
         self.logprobs_sent = max(upto, self.logprobs_sent)
@@ -74,11 +97,9 @@ class Job:
 
     def close(self) -> None:
         """Cancel the request if it is not finished (a client that went away) and forget it."""
+        reason = self.finish_reason or "cancelled"
         if self.handle.finish_reason is None:
             self.handle.cancel()
-            reason = "cancelled"
-        else:
-            reason = self.finish_reason
         if self.server.in_flight.pop(self.handle.request.id, None) is not None:
             self.server.metrics.finished.labels(reason).inc()
             self.server.metrics.latency.observe(time.perf_counter() - self.start)
@@ -99,25 +120,24 @@ class Completion:
         self.first_token_s = None
 
     async def chunks(self):
-        """(job, chunk of committed tokens) as they come, until every choice has finished."""
+        """(job, text delta, tokens shown) as they come, until every choice has finished."""
         left = len(self.jobs)
         while left:
-            job, chunk = await self.queue.get()
-            if chunk is None:
+            job, item = await self.queue.get()
+            if item is None:
                 left -= 1
                 continue
             if self.first_token_s is None:
                 self.first_token_s = time.perf_counter() - self.jobs[0].start
                 self.jobs[0].server.metrics.ttft.observe(self.first_token_s)
-            yield job, chunk
+            job.shown = item[1]
+            yield job, *item
 
     async def collect(self, request) -> None:
-        """Take every chunk (a non-streaming call); a client that disconnects meanwhile raises ClientGone."""
+        """Wait for every choice (a non-streaming call); a client that disconnects meanwhile raises ClientGone."""
         async def consume():
-            async for job, chunk in self.chunks():
-                job.text.add(chunk)
-            for job in self.jobs:
-                job.text.finish()
+            async for _ in self.chunks():
+                pass
 
         async def disconnected():
             while (await request.receive())["type"] != "http.disconnect":
@@ -134,7 +154,7 @@ class Completion:
         consumer.result()
 
     def usage(self) -> dict:
-        completion = sum(job.text.completion_tokens for job in self.jobs)
+        completion = sum(job.shown for job in self.jobs)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
 

@@ -275,9 +275,9 @@ class Sampling:
             param = "top_logprobs" if chat else "logprobs"
             raise bad(param, f"`{param}` must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
 
-    def request(self, prompt: list[int], adapter: str, max_tokens: int, seed, on_tokens):
+    def request(self, prompt: list[int], adapter: str, max_tokens: int, seed):
         """The engine's Request for one choice."""
         return Request(prompt, adapter=adapter, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                        min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids),
-                       ignore_eos=self.ignore_eos, logprobs=self.logprobs, seed=seed, on_tokens=on_tokens)
+                       ignore_eos=self.ignore_eos, logprobs=self.logprobs, seed=seed)

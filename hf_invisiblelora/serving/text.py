@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
-logger = logging.getLogger("hf_invisiblelora.serve")
-
 
 class Stops:
     """Where a request's text ends: at the first stop string that ends past the text of its first
@@ -51,15 +47,21 @@ def held_tail(text: str, stops) -> int:
 
 
 class TextStream:
-    """One request's text, detokenized incrementally: the whole token list is decoded after each
-    chunk and the new suffix is emitted, so a multi-byte character split across tokens is never
-    emitted half (an incomplete one decodes as U+FFFD and is held back until it completes). The
-    text ends where ``stops`` (a Stops) says, and a tail that could start a stop string is held back
-    until it is known not to. ``prefix``: text before the output (echo)."""
+    """One request's text, detokenized incrementally (as vLLM and TGI do): each chunk's tokens are
+    decoded with the chunk before them as context and the text past the context's is appended, so
+    a chunk costs its own tokens, not the whole output again. A multi-byte character split across
+    tokens is never emitted half: while the window's text ends in U+FFFD (an incomplete character)
+    nothing is appended until later tokens complete it. The text ends where ``stops`` (a Stops)
+    says, and a tail that could start a stop string is held back until it is known not to.
+    ``prefix``: text before the output (echo)."""
 
     def __init__(self, tokenizer, stops: Stops | None = None, prefix: str = ""):
         self.tokenizer, self.stops, self.prefix = tokenizer, stops or Stops(), prefix
         self.tokens: list[int] = []
+        self.output = ""  # the decoded output so far (whole characters)
+        self.start = self.read = 0  # tokens[start:read]: the context of the next window; read: decoded up to
+        self.searched = 0  # output characters searched for stop strings
+        self.floor = None  # characters of the first min_tokens - 1 tokens' text (stop strings must end past it)
         self.text = prefix
         self.sent = 0  # characters emitted
         self.stopped = False
@@ -68,29 +70,58 @@ class TextStream:
     def _decode(self, tokens) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
+    def _advance(self, upto: int, final: bool = False) -> None:
+        """Decode tokens[read:upto] onto ``output`` (not while a character is incomplete, unless ``final``)."""
+        if upto <= self.read:
+            return
+        context = self._decode(self.tokens[self.start:self.read])
+        text = self._decode(self.tokens[self.start:upto])
+        if text.endswith("\ufffd") and not final:
+            return
+        self.output += text[len(context):]
+        self.start, self.read = self.read, upto
+
+    def _stop(self) -> int | None:
+        """Where the first stop string in the new part of ``output`` starts (or ends, with include)."""
+        stops, m = self.stops, self.stops.min_tokens
+        if not stops.strings or len(self.tokens) < m:
+            return None
+        if self.floor is None:
+            self.floor = len(self._decode(self.tokens[: m - 1])) if m > 1 else 0
+        found = []
+        for s in stops.strings:
+            i = self.output.find(s, max(0, self.floor - len(s) + 1, self.searched - len(s) + 1))
+            if i >= 0:
+                found.append((i, i + len(s)))
+        self.searched = len(self.output)
+        if not found:
+            return None
+        start, end = min(found)
+        return end if stops.include else start
+
     def add(self, tokens: list[int]) -> str:
         """Take a chunk of committed tokens; return the text now safe to emit."""
         if self.stopped or not tokens:
             return ""
         before = len(self.tokens)
         self.tokens += tokens
-        cut = self.stops.cut(self._decode, self.tokens)
+        self._advance(len(self.stops.text_tokens(self.tokens)))
+        cut = self._stop()
         if cut is None:
-            text = self._decode(self.stops.text_tokens(self.tokens))
-            self.text, self.completion_tokens = self.prefix + text, len(self.tokens)
-            safe = len(text.rstrip("\ufffd"))
-            safe = len(self.prefix) + safe - held_tail(text[:safe], self.stops.strings)
-        else:
-            self.stopped = True
-            self.text = self.prefix + self._decode(self.tokens)[:cut]
-            safe = len(self.text)
-            self.completion_tokens = next((i for i in range(before + 1, len(self.tokens) + 1)
-                                           if self.stops.cut(self._decode, self.tokens[:i]) is not None),
-                                          len(self.tokens))
-        return self._emit(safe)
+            self.text, self.completion_tokens = self.prefix + self.output, len(self.tokens)
+            return self._emit(len(self.text) - held_tail(self.output, self.stops.strings))
+        self.stopped = True
+        self.text = self.prefix + self.output[:cut]
+        # the token that completed it: a few whole decodes, once per request
+        self.completion_tokens = next((i for i in range(before + 1, len(self.tokens) + 1)
+                                       if self.stops.cut(self._decode, self.tokens[:i]) is not None), len(self.tokens))
+        return self._emit(len(self.text))
 
     def finish(self) -> str:
         """The rest of the text, held back or not."""
+        if not self.stopped:
+            self._advance(len(self.stops.text_tokens(self.tokens)), final=True)
+            self.text = self.prefix + self.output
         return self._emit(len(self.text))
 
     def _emit(self, upto: int) -> str:
@@ -98,21 +129,3 @@ class TextStream:
             return ""
         delta, self.sent = self.text[self.sent:upto], upto
         return delta
-
-
-class StopWatch:
-    """A request's ``on_tokens`` callback (runs on the engine's thread): True once a stop string
-    ends the text (``stops``), which ends the request at that cycle. Never raises (an exception
-    there would stop the engine): on an error it ends the request."""
-
-    def __init__(self, tokenizer, stops: Stops):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.tokens: list[int] = []
-
-    def __call__(self, tokens: list[int]) -> bool:
-        try:
-            self.tokens += tokens
-            return self.stops.cut(lambda t: self.tokenizer.decode(t, skip_special_tokens=True), self.tokens) is not None
-        except Exception:  # noqa: BLE001
-            logger.exception("stop-string check failed; ending the request")
-            return True
