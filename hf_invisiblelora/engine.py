@@ -63,6 +63,10 @@ logger = logging.getLogger("hf_invisiblelora")
 _ids = itertools.count()
 MAX_LOGPROBS = 20  # the most likely tokens a request may ask for with each token (vLLM's default max_logprobs)
 MAX_STOP_TOKEN_IDS = 256
+# Request fields validate() normalizes: int, float, an optional int (int?) or token ids.
+_FIELD_TYPES = {"temperature": "float", "top_p": "float", "min_p": "float", "repetition_penalty": "float",
+                "max_tokens": "int", "top_k": "int", "min_tokens": "int", "seed": "int?", "logprobs": "int?",
+                "stop_token_ids": "ids"}
 
 
 def _release_openmp_threads() -> None:
@@ -105,7 +109,15 @@ class UnknownAdapter(ValueError):
     """No adapter of that name is loaded."""
 
 
-class PromptTooLong(ValueError):
+class InvalidRequest(ValueError):
+    """What is wrong with a request; ``param``: the Request field it is about."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLong(InvalidRequest):
     """The prompt plus max_tokens is longer than the engine's rows allow."""
 
 
@@ -294,51 +306,49 @@ class Engine:
         return self._running and self._thread is not None and self._thread.is_alive()
 
     def validate(self, request: Request) -> None:
-        """Raise ValueError naming what is wrong with ``request``; normalizes its numbers' types."""
-        if not request.prompt:
-            raise ValueError("The prompt is empty.")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in request.prompt):
-            raise ValueError(f"The prompt must be token ids in [0, {self.vocab_size}).")
-        try:
-            request.temperature, request.top_p = float(request.temperature), float(request.top_p)
-            request.min_p, request.repetition_penalty = float(request.min_p), float(request.repetition_penalty)
-            request.max_tokens, request.top_k = _integer(request.max_tokens), _integer(request.top_k)
-            request.min_tokens = _integer(request.min_tokens)
-            request.seed = None if request.seed is None else _integer(request.seed)
-            request.logprobs = None if request.logprobs is None else _integer(request.logprobs)
-            request.stop_token_ids = [_integer(t) for t in request.stop_token_ids]
-        except (TypeError, ValueError):
-            raise ValueError("temperature, top_p, min_p and repetition_penalty must be numbers; max_tokens, top_k, "
-                             "min_tokens, seed, logprobs and stop_token_ids integers.") from None
-        if not isinstance(request.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {request.ignore_eos!r}.")
-        if not 0 <= request.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {request.min_p}.")
-        if not 0 < request.repetition_penalty < float("inf"):
-            raise ValueError(f"repetition_penalty must be > 0, got {request.repetition_penalty}.")
-        if request.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {request.min_tokens}.")
-        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {request.logprobs}.")
-        if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS or \
-                any(not 0 <= t < self.vocab_size for t in request.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids in [0, {self.vocab_size}).")
-        if request.seed is not None and not -(2**63) <= request.seed < 2**64:  # what torch's generators take
-            raise ValueError(f"seed must be in [-2**63, 2**64), got {request.seed}.")
+        """Raise InvalidRequest (a ValueError) naming the field that is wrong with ``request``;
+        normalizes its numbers' types. The one validation of a request's values (the server checks
+        only what its JSON may hold)."""
+        def check(ok, param, message):
+            if not ok:
+                raise InvalidRequest(param, message)
+
+        check(request.prompt, "prompt", "The prompt is empty.")
+        check(all(isinstance(t, int) and 0 <= t < self.vocab_size for t in request.prompt), "prompt",
+              f"The prompt must be token ids in [0, {self.vocab_size}).")
+        for name, kind in _FIELD_TYPES.items():
+            value = getattr(request, name)
+            try:
+                if kind == "ids":
+                    value = [_integer(t) for t in value]
+                elif value is not None or kind in ("int", "float"):
+                    value = float(value) if kind.startswith("float") else _integer(value)
+            except (TypeError, ValueError):
+                what = {"ids": "a list of token ids", "float": "a number"}.get(kind.removesuffix("?"), "an integer")
+                raise InvalidRequest(name, f"{name} must be {what}, got {value!r}.") from None
+            setattr(request, name, value)
+        check(isinstance(request.ignore_eos, bool), "ignore_eos", f"ignore_eos must be a boolean, got {request.ignore_eos!r}.")
+        check(request.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {request.max_tokens}.")
+        check(request.temperature >= 0, "temperature", f"temperature must be >= 0, got {request.temperature}.")
+        check(0 < request.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {request.top_p}.")
+        check(request.top_k >= 0, "top_k", f"top_k must be >= 0, got {request.top_k}.")
+        check(0 <= request.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {request.min_p}.")
+        check(0 < request.repetition_penalty < float("inf"), "repetition_penalty",
+              f"repetition_penalty must be > 0, got {request.repetition_penalty}.")
+        check(request.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {request.min_tokens}.")
+        check(request.logprobs is None or 0 <= request.logprobs <= MAX_LOGPROBS, "logprobs",
+              f"logprobs must be in [0, {MAX_LOGPROBS}], got {request.logprobs}.")
+        check(len(request.stop_token_ids) <= MAX_STOP_TOKEN_IDS and
+              all(0 <= t < self.vocab_size for t in request.stop_token_ids), "stop_token_ids",
+              f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids in [0, {self.vocab_size}).")
+        check(request.seed is None or -(2**63) <= request.seed < 2**64, "seed",  # what torch's generators take
+              f"seed must be in [-2**63, 2**64), got {request.seed}.")
         if request.adapter != BASE and request.adapter not in self._paths:
             raise UnknownAdapter(f"Unknown adapter {request.adapter!r}; served: {self.adapters()}.")
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}.")
-        if not request.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {request.temperature}.")
-        if not 0 < request.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {request.top_p}.")
-        if request.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {request.top_k}.")
         if len(request.prompt) + request.max_tokens > self.max_request_tokens:
-            raise PromptTooLong(f"The prompt ({len(request.prompt)} tokens) plus max_tokens ({request.max_tokens}) is "
-                                f"longer than this server allows ({self.max_request_tokens} tokens); shorten the "
-                                "prompt or max_tokens.")
+            raise PromptTooLong("prompt", f"The prompt ({len(request.prompt)} tokens) plus max_tokens "
+                                f"({request.max_tokens}) is longer than this server allows ({self.max_request_tokens} "
+                                "tokens); shorten the prompt or max_tokens.")
 
     @property
     def max_request_tokens(self) -> int:

@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora.engine import Engine, Request
+from hf_invisiblelora.engine import Engine, InvalidRequest, Request
 from hf_invisiblelora.testing import chi_square_p, tiny_peft
 
 NAMES = ["s", "b", "__base__", "c", "d"]
@@ -191,6 +191,13 @@ def test_bad_requests_are_refused(model):
                         (dict(max_tokens=40), "longer than this server allows")]:
         with pytest.raises(ValueError, match=message):
             engine.submit(Request([3, 4, 5], **kw))
+    # Each value is checked here once (the server checks only its JSON types) and the error names its field.
+    for kw in [dict(temperature=float("nan")), dict(top_p=1.5), dict(top_k=-1), dict(min_p=2.0),
+               dict(repetition_penalty=0.0), dict(min_tokens=-1), dict(logprobs=21), dict(stop_token_ids=[64]),
+               dict(seed=2**64), dict(max_tokens="x"), dict(stop_token_ids=[1.5])]:
+        with pytest.raises(InvalidRequest) as e:
+            engine.submit(Request([3, 4, 5], **kw))
+        assert e.value.param == next(iter(kw)), kw
     with pytest.raises(ValueError, match="empty"):
         engine.submit(Request([]))
 
@@ -248,8 +255,9 @@ def test_faults_stay_with_their_request(model, tmp_path):
         assert engine.alive
         with pytest.raises(ValueError, match=r"token ids in \[0, 64\)"):
             engine.submit(Request([3, 99]))
-        with pytest.raises(ValueError, match="integers"):
+        with pytest.raises(InvalidRequest, match="top_k must be an integer") as e:
             engine.submit(Request([3, 4], top_k=2.5))
+        assert e.value.param == "top_k"
         request = Request([3, 4], temperature=1, max_tokens=2)  # an int temperature is a number too
         assert engine.submit(request).result(60) and isinstance(request.temperature, float)
 

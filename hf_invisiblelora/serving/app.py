@@ -70,7 +70,6 @@ class Server:
         self.api_key, self.runtime_updates, self.lora_roots = api_key, runtime_updates, list(lora_roots)
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
-        self.vocab = engine.inner.get_input_embeddings().num_embeddings
         self.in_flight: dict[int, Job] = {}
         self.metrics = Metrics(engine, model_id)
         self.encode_lock = threading.Lock()  # one fast tokenizer is not safe to call from several threads
@@ -105,14 +104,6 @@ class Server:
         with self.encode_lock:
             return self.tokenizer(text, add_special_tokens=special)["input_ids"]
 
-    def check_ids(self, ids, param: str) -> list[int]:
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise bad(param, f"`{param}` token ids must be integers.")
-        outside = [t for t in ids if not 0 <= t < self.vocab]
-        if outside:
-            raise bad(param, f"Token ids {outside[:5]} are outside the vocabulary (0..{self.vocab - 1}).")
-        return ids
-
     def completion_prompt(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -120,7 +111,7 @@ class Server:
         if isinstance(prompt, str):
             return self.encode(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return self.check_ids(prompt, "prompt")
+            return prompt  # their range: Engine.validate
         raise bad("prompt", "`prompt` must be a string or a list of token ids (one prompt per request).")
 
     def token_text(self, token: int) -> str:
@@ -186,8 +177,9 @@ class Server:
             return prompt, self.echo_text(body, prompt, sampling, chat)
 
         prompt, prefix = await run_in_threadpool(prepare)
-        self.check_ids(sampling.stop_token_ids, "stop_token_ids")
-        max_tokens = sampling.max_tokens or (self.room(len(prompt)) if chat else COMPLETION_DEFAULT_MAX_TOKENS)
+        max_tokens = sampling.max_tokens
+        if max_tokens is None:
+            max_tokens = self.room(len(prompt)) if chat else COMPLETION_DEFAULT_MAX_TOKENS
         if sampling.min_tokens > max_tokens:
             raise bad("min_tokens", f"`min_tokens` ({sampling.min_tokens}) is more than max_tokens ({max_tokens}).")
         eos = [] if sampling.ignore_eos else self.engine.eos_ids
@@ -213,7 +205,9 @@ class Server:
                 raise not_found(adapter) from e
             if isinstance(e, ValueError):  # the engine's own words for what is wrong with the request
                 code = "context_length_exceeded" if isinstance(e, PromptTooLong) else "invalid_value"
-                raise ApiError(400, str(e), param="messages" if chat else "prompt", code=code) from e
+                param = getattr(e, "param", "prompt")
+                param = "messages" if chat and param == "prompt" else sampling.fields.get(param, param)
+                raise ApiError(400, str(e), param=param, code=code) from e
             raise
         self.metrics.prompt_tokens.inc(len(prompt) * sampling.n)
         return completion

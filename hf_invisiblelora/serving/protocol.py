@@ -9,7 +9,7 @@ import math
 
 from starlette.concurrency import run_in_threadpool
 
-from ..engine import MAX_LOGPROBS, Request
+from ..engine import Request
 
 MAX_STOP_STRINGS = 16
 MAX_BODY_BYTES = 4 * 2**20  # --max-body-bytes: room for a 1 MB prompt, or a list of a million token ids
@@ -205,32 +205,23 @@ class Sampling:
         self.n = _number(body, "n", 1, integer=True)
         if not 1 <= self.n <= MAX_N:
             raise bad("n", f"`n` must be in [1, {MAX_N}], got {self.n}.")
+        # The values' ranges are the engine's to check (Engine.validate, one validation): here only
+        # what JSON may hold, and the API's own rules.
         self.temperature = _number(body, "temperature", 1.0)
-        if self.temperature < 0:
-            raise bad("temperature", f"`temperature` must be >= 0, got {self.temperature}.")
         self.top_p = _number(body, "top_p", 1.0)
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", f"`top_p` must be in (0, 1], got {self.top_p}.")
         self.top_k = _number(body, "top_k", 0, integer=True)  # an extension (vLLM's): 0 or -1 = no limit
         if self.top_k < -1:
             raise bad("top_k", f"`top_k` must be >= 1, or 0 / -1 for no limit; got {self.top_k}.")
         self.top_k = max(self.top_k, 0)
         self.min_p = _number(body, "min_p", 0.0)
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", f"`min_p` must be in [0, 1], got {self.min_p}.")
         self.repetition_penalty = _number(body, "repetition_penalty", 1.0)
-        if not self.repetition_penalty > 0:
-            raise bad("repetition_penalty", f"`repetition_penalty` must be > 0, got {self.repetition_penalty}.")
         names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-        self.max_tokens = None
+        self.max_tokens, self.max_tokens_field = None, "max_tokens"
         for name in names:
             value = _number(body, name, None, integer=True)
-            if value is not None and value < 1:
-                raise bad(name, f"`{name}` must be >= 1, got {value}.")
-            self.max_tokens = self.max_tokens or value
+            if self.max_tokens is None and value is not None:
+                self.max_tokens, self.max_tokens_field = value, name
         self.min_tokens = _number(body, "min_tokens", 0, integer=True)
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise bad("min_tokens", f"`min_tokens` must be in [0, max_tokens], got {self.min_tokens}.")
         self.seed = _number(body, "seed", None, integer=True)  # its range: the engine's check
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else stop or []
@@ -271,9 +262,8 @@ class Sampling:
             if self.echo and self.logprobs is not None:
                 raise ApiError(400, "`echo` with `logprobs` asks for the prompt's log-probabilities, which this server "
                                "does not compute.", param="echo", code="unsupported_parameter")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            param = "top_logprobs" if chat else "logprobs"
-            raise bad(param, f"`{param}` must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+        # the engine's field -> the request's, where they differ
+        self.fields = {"max_tokens": self.max_tokens_field, "logprobs": "top_logprobs" if chat else "logprobs"}
 
     def request(self, prompt: list[int], adapter: str, max_tokens: int, seed):
         """The engine's Request for one choice."""
