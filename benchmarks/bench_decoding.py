@@ -36,7 +36,9 @@ import torch
 from transformers import BatchEncoding
 
 import hf_invisiblelora  # noqa: F401  (generate(invisible_lora=True))
-from hf_invisiblelora.testing import machine, sync, synthetic_zoo
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
+from common import machine, sync
+from tiny import synthetic_zoo
 
 # The eager configurations pass compile=False: "auto" would capture CUDA graphs on CUDA.
 CONFIGS = {
@@ -71,7 +73,7 @@ def load(kind: str, device: str, dtype: torch.dtype, strength: float, zoo_name: 
     if kind == "synthetic":  # prompts are token ids, all of one length
         model, names, prompts_for = synthetic_zoo(strength)
     elif kind == "smoke":
-        from hf_invisiblelora.testing import tiny_peft, tiny_tokenizer
+        from tiny import tiny_peft, tiny_tokenizer
 
         tok, model = tiny_tokenizer(), tiny_peft("llama", strength=0.5, dtype=torch.float32)
         texts = ["the quick brown fox", "once upon a time", "hello world", "over the lazy dog"]
@@ -177,10 +179,10 @@ def summarize(configs, rates, first, last, errors, prompt_len, eos):
 
 def check_tokens(model, rows, enc, new_tokens, last, res):
     """Per configuration: rows identical to stock, and whether every divergence is at a near tie of
-    stock's logits (hf_invisiblelora.testing.divergences). In float32 / float64 the tokens are expected to be
+    stock's logits (tests/tiny.py: divergences). In float32 / float64 the tokens are expected to be
     identical; in bfloat16 / float16 identity is informational (numerics differ) and the near-tie
     check is the criterion."""
-    from hf_invisiblelora.testing import all_near_ties, divergences
+    from tiny import all_near_ties, divergences
 
     dtype = model.dtype
     with torch.no_grad():

@@ -17,12 +17,16 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from hf_invisiblelora.bank import get_bank
-from hf_invisiblelora.testing import LINEAR, SMOLLM2_135M, machine, smollm2_shaped, timed
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
+from common import machine, timed
+from tiny import LINEAR, SMOLLM2_135M, smollm2_shaped
 
 MAX_LORA_GB = 6.0  # PEFT's copy + the bank's; configs above it are skipped (RAM is shared)
 

@@ -45,7 +45,8 @@ import torch
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora import engine as engine_module
 from hf_invisiblelora.engine import Engine, Request
-from hf_invisiblelora.testing import machine
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
+from common import machine
 
 PHASES = ("cycles", "many", "requests", "bounded")
 
@@ -57,7 +58,7 @@ def rss_mb() -> float:
 def load(smoke: bool, folder: str):
     """(peft model, {adapter: folder}, prompts: token id lists)."""
     if smoke:
-        from hf_invisiblelora.testing import tiny_peft
+        from tiny import tiny_peft
 
         model = tiny_peft("llama", strength=0.5, dtype=torch.float32)
         model.save_pretrained(folder)

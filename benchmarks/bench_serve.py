@@ -44,7 +44,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_invisiblelora  # noqa: F401  (generate(invisible_lora=True))
 from hf_invisiblelora.engine import Engine, Request
-from hf_invisiblelora.testing import machine, sync
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
+from common import machine, sync
 
 MODES = ("stock", "static", "engine")
 
@@ -70,7 +71,7 @@ class Job:
 def load(smoke: bool, adapters, device: str, dtype):
     """(peft model, tokenizer, adapter names, prompts_for(name, count, seed) -> list of token id lists)."""
     if smoke:
-        from hf_invisiblelora.testing import tiny_peft, tiny_tokenizer
+        from tiny import tiny_peft, tiny_tokenizer
 
         tok, model = tiny_tokenizer(), tiny_peft("llama", strength=0.5, dtype=torch.float32)
         names = ["s", "b", "c", "d"]

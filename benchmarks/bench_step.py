@@ -43,7 +43,8 @@ from hf_invisiblelora.adapters import BankSwitch
 from hf_invisiblelora.drafter import Drafter
 from hf_invisiblelora.forward import CompiledForward, EagerForward
 from hf_invisiblelora.state import state_of
-from hf_invisiblelora.testing import machine
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
+from common import machine
 
 CONTEXT = 64
 

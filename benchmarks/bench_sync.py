@@ -13,13 +13,16 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.bank import get_bank
 from hf_invisiblelora.state import state_of
-from hf_invisiblelora.testing import machine, synthetic_zoo, timed
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
+from common import machine, timed
+from tiny import synthetic_zoo
 
 
 def measure(label, model, names, encode, repeats):

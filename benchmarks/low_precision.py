@@ -12,7 +12,7 @@ in units of the dtype's spacing at that logit's magnitude. Stock's own noise at 
 same margin when stock computes that row's prefix alone (a batch of one, no padding) instead of
 in its batch. A divergence is at a near tie if the gap is at most 4 units, or at most the amount
 by which stock's own margin moves between those two computations (stock could flip there too;
-hf_invisiblelora.testing.divergences).
+tests/tiny.py: divergences).
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import torch
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora import zoo
-from hf_invisiblelora.testing import all_near_ties, divergences, machine
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
+from common import machine
+from tiny import all_near_ties, divergences
 from hf_invisiblelora.zoo.demo import DEMO_ADAPTERS
 
 def main(argv=None):

@@ -35,7 +35,7 @@ class Entry:
 
 
 def _tokenizer():
-    from hf_invisiblelora.testing import tiny_tokenizer
+    from tiny import tiny_tokenizer
 
     return tiny_tokenizer()
 

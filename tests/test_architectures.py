@@ -1,5 +1,5 @@
 """Architecture sweep: every causal LM in Transformers' auto mapping, as a tiny random model derived
-from its default config (hf_invisiblelora.testing), wrapped with two PEFT LoRA adapters, decodes
+from its default config (tests/arch_sweep.py), wrapped with two PEFT LoRA adapters, decodes
 a mixed, left-padded batch with "__base__" exactly as stock PEFT does (greedy, K = 1 and 3), or is
 refused before decoding with the model unchanged. Sliding windows (4) are shorter than the output
 (12 tokens); chunked attention (8) is crossed. Then every architecture whose rotary embedding
@@ -9,7 +9,7 @@ docs/support.md has the resulting table (benchmarks/arch_sweep_report.py writes 
 
 import pytest
 
-from hf_invisiblelora.testing import causal_lm_architectures, dynamic_rope, sweep_verdict
+from arch_sweep import causal_lm_architectures, dynamic_rope, sweep_verdict
 
 @pytest.mark.parametrize("arch", causal_lm_architectures())
 def test_architecture(arch):

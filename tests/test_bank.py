@@ -7,7 +7,7 @@ from peft import LoraConfig
 from hf_invisiblelora import bank as bank_module
 from hf_invisiblelora.bank import get_bank
 from hf_invisiblelora.checks import check_model
-from hf_invisiblelora.testing import COMMON, tiny_peft
+from tiny import COMMON, tiny_peft
 
 VOCAB = 101
 # Different ranks, targets, alphas, rslora: a layer's stack mixes ranks and absent adapters.

@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from hf_invisiblelora import forward as compiled
 from hf_invisiblelora.bank import get_bank
 from hf_invisiblelora.state import state_of
-from hf_invisiblelora.testing import all_near_ties, divergences, prompts, tiny_peft
+from tiny import all_near_ties, divergences, prompts, tiny_peft
 
 ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]  # 7 rows: padded to a bucket of 8
 
@@ -225,7 +225,7 @@ def test_cuda_graphs_second_call_and_adapter_changes():
     stacks follow it (rebuilt, and the graphs recaptured, when its slot order changes)."""
     from peft import LoraConfig
 
-    from hf_invisiblelora.testing import ADAPTERS
+    from tiny import ADAPTERS
 
     model = tiny_peft("llama", strength=0.6, dtype=torch.float32).cuda()
     kw = dict(invisible_lora=True, gate="always", num_draft_tokens=2, compile=True)

@@ -22,7 +22,7 @@ from transformers import (
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.checks import lora_layers
-from hf_invisiblelora.testing import ADAPTERS, COMMON, PAD, prompts, tiny_peft, with_adapters
+from tiny import ADAPTERS, COMMON, PAD, prompts, tiny_peft, with_adapters
 
 ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]
 LENGTHS = [5, 9, 3, 7, 9, 1, 6]

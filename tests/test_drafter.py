@@ -5,7 +5,7 @@ import torch
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.state import state_of
-from hf_invisiblelora.testing import chi_square_p, prompts, tiny_peft
+from tiny import chi_square_p, prompts, tiny_peft
 
 ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]
 LENGTHS = [5, 9, 3, 7, 9, 1, 6]

@@ -11,7 +11,7 @@ from peft import LoraConfig
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.engine import Engine, InvalidRequest, Request
-from hf_invisiblelora.testing import chi_square_p, tiny_peft
+from tiny import chi_square_p, tiny_peft
 
 NAMES = ["s", "b", "__base__", "c", "d"]
 
@@ -237,7 +237,7 @@ def test_faults_stay_with_their_request(model, tmp_path):
     from peft import get_peft_model
 
     from hf_invisiblelora.engine import QueueFull
-    from hf_invisiblelora.testing import ARCHS
+    from tiny import ARCHS
 
     g = torch.Generator().manual_seed(8)
     engine = Engine(model, max_batch=2, max_len=128, num_draft_tokens=2, gate="always", max_queue=2)

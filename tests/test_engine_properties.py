@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora import decoding, layout
 from hf_invisiblelora.engine import Engine, Request
-from hf_invisiblelora.testing import EOS, tiny_peft
+from tiny import EOS, tiny_peft
 
 EXAMPLES = int(os.environ.get("ENGINE_PROPERTY_EXAMPLES", 50))
 VOCAB = 64

@@ -7,7 +7,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_invisiblelora
 from hf_invisiblelora.checks import lora_layers
-from hf_invisiblelora.testing import ARCHS, prompts, tiny_peft
+from tiny import ARCHS, prompts, tiny_peft
 
 IDS, MASK = prompts([3, 5])
 

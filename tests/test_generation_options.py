@@ -35,7 +35,7 @@ from transformers.generation import logits_process as lp
 
 import hf_invisiblelora  # noqa: F401  (makes generate() accept invisible_lora=True)
 from options_catalog import CATALOG, enumerate_classes
-from hf_invisiblelora.testing import EOS, PAD, chi_square_p, prompts, tiny_peft, tiny_tokenizer
+from tiny import EOS, PAD, chi_square_p, prompts, tiny_peft, tiny_tokenizer
 
 ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]
 LENGTHS = [5, 9, 3, 7, 9, 1, 6]

@@ -6,7 +6,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_invisiblelora
 from hf_invisiblelora.state import state_of
-from hf_invisiblelora.testing import ARCHS, PAD, prompts, tiny_peft
+from tiny import ARCHS, PAD, prompts, tiny_peft
 
 ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]
 LENGTHS = [5, 9, 3, 7, 9, 1, 6]
@@ -196,7 +196,7 @@ def test_peft_backend_identical(arch):
 def test_adapters_added_deleted_and_rescaled_between_calls():
     from peft import LoraConfig
 
-    from hf_invisiblelora.testing import ADAPTERS
+    from tiny import ADAPTERS
 
     model = tiny_peft("llama", adapters=("s", "b"), strength=0.6)
     ids, mask = prompts([4, 6, 5])

@@ -7,7 +7,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_invisiblelora  # noqa: F401  (makes generate() accept invisible_lora=True)
 from hf_invisiblelora.state import state_of
-from hf_invisiblelora.testing import prompts, tiny_peft, tiny_tokenizer
+from tiny import prompts, tiny_peft, tiny_tokenizer
 
 PROMPTS = ["the quick brown", "once upon a time", "hello"]
 NAMES = ["s", "b", "__base__"]

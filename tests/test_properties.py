@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.checks import lora_layers
-from hf_invisiblelora.testing import PAD, tiny_peft
+from tiny import PAD, tiny_peft
 
 EXAMPLES = int(os.environ.get("PROPERTY_EXAMPLES", 150))  # more for a longer search
 VOCAB = 64

@@ -44,7 +44,7 @@ from transformers.generation import logits_process as lp
 from transformers.generation import stopping_criteria as sc
 
 import hf_invisiblelora  # noqa: F401  (makes generate() accept invisible_lora=True)
-from hf_invisiblelora.testing import ADAPTERS, LINEAR, prompts, tiny_peft, tiny_tokenizer
+from tiny import ADAPTERS, LINEAR, prompts, tiny_peft, tiny_tokenizer
 from test_generation_options import LENGTHS, ROWS, Ctx, Refused, _sequences, assert_same, standard
 from test_generation_options import snapshot as snap
 

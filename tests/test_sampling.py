@@ -5,7 +5,7 @@ import torch
 
 import hf_invisiblelora  # noqa: F401  (makes generate() accept invisible_lora=True)
 
-from hf_invisiblelora.testing import chi_square_p, tiny_peft
+from tiny import chi_square_p, tiny_peft
 
 VOCAB, N, TEMPERATURE, TOP_K = 8, 3000, 0.8, 3
 SUPPRESS = [0, 1]  # pad and EOS never sampled, so every row generates exactly 3 tokens

@@ -19,7 +19,7 @@ import torch
 from transformers import Phi3Config, Phi3ForCausalLM, StoppingCriteriaList
 
 import hf_invisiblelora  # noqa: F401  (makes generate() accept invisible_lora=True)
-from hf_invisiblelora.testing import PAD, prompts, tiny_peft, tiny_tokenizer, with_adapters
+from tiny import PAD, prompts, tiny_peft, tiny_tokenizer, with_adapters
 from test_generation_options import GREEDY_CASES, Ctx, StopOnScores
 
 ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]

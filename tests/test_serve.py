@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_invisiblelora.serving.cli import API_KEY_ENV, RUNTIME_LORA_ENV
-from hf_invisiblelora.testing import tiny_peft, tiny_tokenizer
+from tiny import tiny_peft, tiny_tokenizer
 
 ADAPTERS = ("s", "b", "c")
 BASE_ID = "tiny"  # --served-model-name: the base model's id (no adapter)

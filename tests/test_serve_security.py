@@ -32,7 +32,7 @@ from test_serve import (BASE_ID, CHAT_TEMPLATE, TEXTS, files, generate, launch, 
 
 import hf_invisiblelora
 from hf_invisiblelora.serving.cli import API_KEY_ENV, RUNTIME_LORA_ENV
-from hf_invisiblelora.testing import tiny_peft
+from tiny import tiny_peft
 
 KEY = "test-key-7f3a9c"
 BODY_LIMIT = 2 * 2**20  # --max-body-bytes of the main server: a 1 MB prompt fits
@@ -496,7 +496,7 @@ def app_client():
 
     from hf_invisiblelora.engine import Engine
     from hf_invisiblelora.serving.app import Server, build_app
-    from hf_invisiblelora.testing import tiny_tokenizer
+    from tiny import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'bad' %}{{ raise_exception('secret "

@@ -100,7 +100,7 @@ def test_manifest_round_trip_and_table(tmp_path):
 @pytest.fixture
 def tiny_world(tmp_path, monkeypatch):
     """A tiny Llama checkpoint as the 'base model' and one in-memory text domain."""
-    from hf_invisiblelora.testing import ARCHS, tiny_tokenizer
+    from tiny import ARCHS, tiny_tokenizer
 
     tok = tiny_tokenizer()
     ARCHS["llama"](len(tok)).save_pretrained(tmp_path / "base")
