@@ -734,9 +734,13 @@ class Engine:
             return
         self._deliver(decoder, kept)
 
+    def stop_ids(self, ignore_eos: bool, stop_token_ids) -> list[int]:
+        """The token ids that end a request: the model's EOS ids (unless ignore_eos) and its stop_token_ids."""
+        return list(dict.fromkeys(([] if ignore_eos else self.eos_ids) + list(stop_token_ids)))
+
     def _stops(self, decoder: Decoder, r: int, request: Request) -> list[int]:
         """Set row r's stop token ids in the decoder's per-row table (widened if they are more) and return them."""
-        stops = list(dict.fromkeys(([] if request.ignore_eos else self.eos_ids) + request.stop_token_ids))
+        stops = self.stop_ids(request.ignore_eos, request.stop_token_ids)
         table = decoder.eos
         if len(stops) > table.shape[1]:
             table = torch.cat([table, table.new_full((table.shape[0], len(stops) - table.shape[1]), -1)], 1)

@@ -182,8 +182,8 @@ class Server:
             max_tokens = self.room(len(prompt)) if chat else COMPLETION_DEFAULT_MAX_TOKENS
         if sampling.min_tokens > max_tokens:
             raise bad("min_tokens", f"`min_tokens` ({sampling.min_tokens}) is more than max_tokens ({max_tokens}).")
-        eos = [] if sampling.ignore_eos else self.engine.eos_ids
-        stops = Stops(sampling.stop, sampling.min_tokens, sampling.include_stop, eos + sampling.stop_token_ids)
+        stops = Stops(sampling.stop, sampling.min_tokens, sampling.include_stop,
+                      self.engine.stop_ids(sampling.ignore_eos, sampling.stop_token_ids))
         completion = Completion(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", body.get("model") or
                                 self.model_id, len(prompt))
         try:
