@@ -30,5 +30,7 @@ SIGTERM drains: new requests get 503 while those in flight finish, for up to ``-
 
 Modules, one concept each: ``protocol`` (error objects, request bodies, the request parameters),
 ``text`` (detokenization and stopping), ``bridge`` (a request's choices between the engine's
-thread and asyncio), ``metrics``, ``app`` (the Server and its routes), ``cli`` (loading and main).
+thread and asyncio), ``metrics``, ``completions`` (the completion and chat endpoints), ``admin``
+(loading and unloading adapters), ``front_door`` (request ids, the drain's 503, the API key),
+``app`` (the Server and the FastAPI app: its routes), ``cli`` (loading and main).
 """

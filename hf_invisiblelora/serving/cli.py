@@ -11,7 +11,8 @@ import sys
 import uvicorn
 from starlette.concurrency import run_in_threadpool
 
-from .app import Server, build_app, missing
+from .admin import missing
+from .app import Server, build_app
 from .protocol import MAX_BODY_BYTES
 
 logger = logging.getLogger("hf_invisiblelora.serve")
@@ -147,8 +148,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-body-bytes must be >= 1 and --shutdown-timeout >= 0")
     if any(v is not None and v < 1 for v in (args.max_loras, args.max_cpu_loras)):
         p.error("--max-loras and --max-cpu-loras must be >= 1")
-
-    import hf_invisiblelora  # noqa: F401 - the generate() hook and kernels, before the model is built
 
     from ..engine import Engine
     from ..threads import set_threads

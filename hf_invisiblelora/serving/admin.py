@@ -1,0 +1,106 @@
+"""Loading and unloading adapters while serving (/v1/load_lora_adapter, /v1/unload_lora_adapter),
+and the local-folder check that guards every load, at run time and at startup (cli.py). A part of
+the Server (app.py), which holds the state."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from starlette.concurrency import run_in_threadpool
+
+from ..checks import BASE
+from ..engine import AdapterBusy, AdapterExists, AdapterUnsupported, LastAdapter, NotRunning, UnknownAdapter
+from .protocol import ApiError, bad, json_body, show
+
+logger = logging.getLogger("hf_invisiblelora.serve")
+
+
+def missing(option: str, path: str, needed: str, what: str) -> str | None:
+    """Why ``path`` (given as ``option``, which names it) is not the local folder it must be
+    (``what``, holding the file ``needed``), or None. Checked before loading: PEFT and Transformers
+    would take a missing folder for a Hub repo id."""
+    folder = os.path.expanduser(path)
+    if not os.path.isdir(folder):
+        return f"{option} is not a folder"
+    if not os.path.isfile(os.path.join(folder, needed)):
+        return f"{option} has no {needed} ({what})"
+    return None
+
+
+class AdapterAdmin:
+    """The Server's adapter endpoints: on only with ``runtime_updates``, from inside ``lora_roots``;
+    they keep ``adapter_paths`` (the names taken) in step with the engine's adapters."""
+
+    def check_runtime_updates(self) -> None:
+        if not self.runtime_updates:
+            raise ApiError(404, "Loading and unloading adapters while serving is off on this server (the operator "
+                           "can start it with --allow-runtime-lora-updating).", code="not_found")
+
+    def adapter_folder(self, path: str) -> str:
+        """The folder ``lora_path`` names, symlinks and ``..`` resolved. Refused (403) outside every
+        --lora-root, whether it exists or not; then (400) unless it is a local PEFT adapter folder,
+        checked here because PEFT takes a path it does not find for a Hub repo id and downloads it."""
+        if "\x00" in path:
+            raise bad("lora_path", "`lora_path` must not contain NUL characters.")
+        folder = os.path.realpath(os.path.expanduser(path))
+        if self.lora_roots and not any(os.path.commonpath([folder, root]) == root for root in self.lora_roots):
+            raise ApiError(403, "`lora_path` is outside the folders this server loads adapters from (--lora-root).",
+                           param="lora_path", code="lora_path_not_allowed")
+        problem = missing("`lora_path`", folder, "adapter_config.json", "a PEFT adapter folder")
+        if problem:
+            raise ApiError(400, f"{problem}.", param="lora_path", code="adapter_load_failed")
+        return folder
+
+    async def load_adapter(self, request):
+        self.check_runtime_updates()
+        body = await json_body(request, self.max_body_bytes)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        for key, value in (("lora_name", name), ("lora_path", path)):
+            if not isinstance(value, str) or not value:
+                raise bad(key, f"`{key}` must be a non-empty string.")
+        folder = self.adapter_folder(path)
+        self.check_alive()
+        # Checked and taken with no await in between, so atomic on the event loop: of two loads under
+        # one new name, the second gets adapter_exists here (and the engine's AdapterExists backs it up).
+        exists = ApiError(400, f"The name {show(name)} is already in use (an adapter or the base model).",
+                          param="lora_name", code="adapter_exists")
+        if name in (self.model_id, BASE) or name in self.adapter_paths:
+            raise exists
+        self.adapter_paths[name] = path
+        try:  # the engine refuses what it cannot serve (checks.check_model) and rolls back a failed load
+            await run_in_threadpool(self.engine.load_adapter, name, folder)
+        except Exception as e:  # noqa: BLE001 - PEFT's errors for a bad folder are of many kinds
+            del self.adapter_paths[name]
+            if isinstance(e, NotRunning):
+                raise self.unavailable() from e
+            if isinstance(e, AdapterExists):
+                raise exists from e
+            if isinstance(e, AdapterUnsupported):  # its message is ours: what cannot be served, and why
+                raise ApiError(400, f"This server cannot serve the adapter: {e}", param="lora_path",
+                               code="adapter_unsupported") from e
+            raise ApiError(400, "Could not load the PEFT adapter in `lora_path` onto this base model (its files are "
+                           "incomplete, or made for another model).", param="lora_path", code="adapter_load_failed",
+                           cause=e) from e
+        logger.info("loaded adapter %r from %s", name, folder)
+        return {"object": "lora_adapter", "id": name, "status": "loaded"}
+
+    async def unload_adapter(self, request):
+        self.check_runtime_updates()
+        body = await json_body(request, self.max_body_bytes)
+        name = body.get("lora_name")
+        if not isinstance(name, str) or name not in self.engine.adapters():
+            raise ApiError(404, f"No adapter named {show(name)} is loaded.", param="lora_name", code="model_not_found")
+        self.check_alive()
+        try:
+            await run_in_threadpool(self.engine.unload_adapter, name)
+        except AdapterBusy as e:  # in use, or the last one (a PEFT model keeps one)
+            raise ApiError(409, str(e), param="lora_name",
+                           code="last_adapter" if isinstance(e, LastAdapter) else "adapter_in_use") from e
+        except UnknownAdapter as e:  # unloaded meanwhile
+            raise ApiError(404, str(e), param="lora_name", code="model_not_found") from e
+        except NotRunning as e:
+            raise self.unavailable() from e
+        self.adapter_paths.pop(name, None)
+        logger.info("unloaded adapter %r", name)
+        return {"object": "lora_adapter", "id": name, "status": "unloaded"}

@@ -1,0 +1,251 @@
+"""The completion and chat endpoints: a request's body to its engine requests (one per choice), and
+their answer, whole or as server-sent events. A part of the Server (app.py), which holds the state."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from ..checks import BASE
+from ..engine import NotRunning, PromptTooLong, QueueFull, UnknownAdapter
+from .bridge import ClientGone, Completion, Job
+from .protocol import ApiError, Sampling, bad, internal_error, json_body, not_found, show
+from .text import Stops
+
+logger = logging.getLogger("hf_invisiblelora.serve")
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class Completions:
+    """The Server's /v1/completions and /v1/chat/completions (``complete``): parsing the prompt,
+    submitting the choices, answering. Uses the Server's state (engine, tokenizer and
+    ``encode_lock``, metrics, ``model_id``, ``max_body_bytes``) and its ``encode``,
+    ``check_alive`` and ``unavailable``."""
+
+    # parsing
+
+    def adapter_for(self, model) -> str:
+        if model is None or model in (self.model_id, BASE):
+            return BASE
+        if not isinstance(model, str):
+            raise bad("model", f"`model` must be a string, got {show(model)}.")
+        if model in self.engine.adapters():
+            return model
+        raise not_found(model)
+
+    def completion_prompt(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return prompt  # their range: Engine.validate
+        raise bad("prompt", "`prompt` must be a string or a list of token ids (one prompt per request).")
+
+    def chat_messages(self, body: dict) -> list[dict]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad("messages", "`messages` must be a non-empty list of {role, content} objects.")
+        plain = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise bad("messages", f"messages[{i}] must be an object with a string `role`.")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise ApiError(400, f"messages[{i}]: only text content parts are supported.", param="messages",
+                                   code="unsupported_parameter")
+                content = "".join(p["text"] for p in content)
+            if content is not None and not isinstance(content, str):
+                raise bad("messages", f"messages[{i}].content must be a string or a list of text parts.")
+            plain.append({"role": m["role"], "content": content or ""})
+        return plain
+
+    def chat_prompt(self, body: dict, sampling: Sampling) -> list[int]:
+        plain = self.chat_messages(body)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "This model's tokenizer has no chat template; use /v1/completions.",
+                           param="messages", code="no_chat_template")
+        try:
+            with self.encode_lock:
+                text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=sampling.add_generation_prompt,
+                                                          continue_final_message=sampling.continue_final,
+                                                          tokenize=False)
+        except Exception as e:  # noqa: BLE001 - a template that refuses these messages
+            raise ApiError(400, "This model's chat template refused these messages (for example, roles in an order "
+                           "it does not accept).", param="messages", code="invalid_value", cause=e) from e
+        return self.encode(text, special=False)
+
+    def echo_text(self, body: dict, prompt: list[int], sampling: Sampling, chat: bool) -> str:
+        """What ``echo`` puts before each choice's text: the prompt (completions); in a chat, the last
+        message's content when the answer is in its role (vLLM's rule: the assistant's unless
+        add_generation_prompt is false)."""
+        if not sampling.echo:
+            return ""
+        if not chat:
+            return body["prompt"] if isinstance(body["prompt"], str) else self.tokenizer.decode(prompt)
+        last = self.chat_messages(body)[-1]
+        role = "assistant" if sampling.add_generation_prompt else last["role"]
+        return last["content"] if last["role"] == role else ""
+
+    def room(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of this length can get (the default max_tokens of a chat)."""
+        return max(self.engine.max_request_tokens - prompt_len, 1)
+
+    async def submit(self, body: dict, adapter: str, sampling: Sampling, chat: bool) -> Completion:
+        """Submit the request's ``n`` choices (each its own engine request; seeded choice i samples
+        with seed + i, as vLLM's). Refused (4xx) before any is submitted, or with all cancelled."""
+        def prepare():  # tokenizing a long prompt and checking its ids take seconds: not on the event loop
+            prompt = self.chat_prompt(body, sampling) if chat else self.completion_prompt(body)
+            return prompt, self.echo_text(body, prompt, sampling, chat)
+
+        prompt, prefix = await run_in_threadpool(prepare)
+        max_tokens = sampling.max_tokens
+        if max_tokens is None:
+            max_tokens = self.room(len(prompt)) if chat else COMPLETION_DEFAULT_MAX_TOKENS
+        if sampling.min_tokens > max_tokens:
+            raise bad("min_tokens", f"`min_tokens` ({sampling.min_tokens}) is more than max_tokens ({max_tokens}).")
+        stops = Stops(sampling.stop, sampling.min_tokens, sampling.include_stop,
+                      self.engine.stop_ids(sampling.ignore_eos, sampling.stop_token_ids))
+        completion = Completion(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", body.get("model") or
+                                self.model_id, len(prompt))
+        try:
+            for i in range(sampling.n):
+                seed = None if sampling.seed is None else sampling.seed + i
+                request = sampling.request(prompt, adapter, max_tokens, seed)
+                if i == 0:
+                    await run_in_threadpool(self.engine.validate, request)
+                self.check_alive()
+                completion.jobs.append(Job(self, request, stops, i, completion.queue, prefix,
+                                           sampling.token_ids_as_text))
+        except BaseException as e:
+            completion.close()
+            if isinstance(e, QueueFull):
+                raise ApiError(429, str(e), type="server_error", code="queue_full") from e
+            if isinstance(e, NotRunning):  # stopped meanwhile
+                raise self.unavailable() from e
+            if isinstance(e, UnknownAdapter):  # unloaded meanwhile
+                raise not_found(adapter) from e
+            if isinstance(e, ValueError):  # the engine's own words for what is wrong with the request
+                code = "context_length_exceeded" if isinstance(e, PromptTooLong) else "invalid_value"
+                param = getattr(e, "param", "prompt")
+                param = "messages" if chat and param == "prompt" else sampling.fields.get(param, param)
+                raise ApiError(400, str(e), param=param, code=code) from e
+            raise
+        self.metrics.prompt_tokens.inc(len(prompt) * sampling.n)
+        return completion
+
+    def failure(self, completion: Completion, request_id: str) -> ApiError | None:
+        """Why a finished request has no answer, or None: a choice failed in the engine (500; the log
+        has the engine's error), or the engine stopped under it (503: the server is shutting down; a
+        request its client left is cancelled too, but then nobody asks)."""
+        if any(job.failed for job in completion.jobs):
+            return internal_error(request_id)
+        reasons = [job.finish_reason for job in completion.jobs]
+        if "error" in reasons:
+            for job in completion.jobs:
+                if job.handle.error:
+                    logger.error("request %s failed in the engine: %s", request_id, job.handle.error)
+            return ApiError(500, f"The request failed in the engine (request id {request_id}); the server's log has "
+                            "the details.", type="server_error", code="engine_error")
+        if "cancelled" in reasons:
+            return self.unavailable()
+        return None
+
+    # responses
+
+    def choice(self, job: Job, kind: str, text: str, finish_reason, chunk: bool, first: bool = False) -> dict:
+        logprobs = job.logprobs(kind == "chat", job.shown)
+        if kind != "chat":
+            return {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if not chunk:
+            return {"index": job.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": job.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def response(self, completion: Completion, kind: str, choices: list, chunk: bool) -> dict:
+        obj = {"id": completion.id, "created": completion.created, "model": completion.model_name}
+        obj["object"] = ("chat.completion.chunk" if chunk else "chat.completion") if kind == "chat" else "text_completion"
+        obj["choices"] = choices
+        return obj
+
+    async def complete(self, request, kind: str):
+        request_id = request.state.request_id
+        body = await json_body(request, self.max_body_bytes)
+        chat = kind == "chat"
+        sampling = Sampling(body, chat)
+        adapter = self.adapter_for(body.get("model"))
+        completion = await self.submit(body, adapter, sampling, chat)
+        if sampling.stream:
+            return JobStream(completion, self.events(completion, kind, sampling, request_id))
+        try:
+            await completion.collect(request)
+            error = self.failure(completion, request_id)
+            if error:
+                raise error
+            choices = [self.choice(job, kind, job.text.text, job.finish_reason, chunk=False) for job in completion.jobs]
+            obj = self.response(completion, kind, choices, chunk=False)
+            obj["usage"] = completion.usage()
+            return JSONResponse(obj)
+        except ClientGone:
+            logger.info("client went away; request %s cancelled", completion.id)
+            return JSONResponse({}, status_code=499)
+        finally:
+            completion.close()
+
+    async def events(self, completion: Completion, kind: str, sampling: Sampling, request_id: str):
+        """Server-sent events in OpenAI's chunk format, then ``data: [DONE]``; a request that fails
+        ends with an error event first. Leaving early (the client disconnected: the task is
+        cancelled, or the generator closed) cancels the request. With continuous_usage_stats every
+        chunk carries the usage so far."""
+        def sse(choices, usage=False) -> str:
+            obj = self.response(completion, kind, choices, chunk=True)
+            if usage or sampling.continuous_usage:
+                obj["usage"] = completion.usage()
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        try:
+            if kind == "chat":
+                for job in completion.jobs:
+                    yield sse([self.choice(job, kind, "", None, chunk=True, first=True)])
+            async for job, delta, shown in completion.chunks():
+                if delta or (job.handle.request.logprobs is not None and job.logprobs_sent < shown):
+                    yield sse([self.choice(job, kind, delta, None, chunk=True)])
+            error = self.failure(completion, request_id)
+            if error:
+                yield f"data: {json.dumps(error.body())}\n\n"
+            else:
+                for job in completion.jobs:
+                    yield sse([self.choice(job, kind, "", job.finish_reason, chunk=True)])
+                if sampling.include_usage:
+                    yield sse([], usage=True)
+        except Exception:  # noqa: BLE001 - the response has started: the client gets an error event, the log the rest
+            logger.exception("request %s failed while streaming", request_id)
+            yield f"data: {json.dumps(internal_error(request_id).body())}\n\n"
+        finally:
+            completion.close()
+        yield "data: [DONE]\n\n"
+
+
+class JobStream(StreamingResponse):
+    """The streaming response of a completion: whatever ends it (the last event, a client that went
+    away, a server shutting down) closes its jobs, also when the event generator never started."""
+
+    def __init__(self, completion: Completion, events):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.completion = completion
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.completion.close()
