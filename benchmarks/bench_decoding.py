@@ -50,7 +50,7 @@ CONFIGS = {
     "gate": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False),
     # The baseline again, as a control: its ratio to the baseline is the run's noise (an A/A test).
     "control": dict(invisible_lora=True, gate="never", compile=False),
-    # Cheaper drafters (hf_invisiblelora/drafter.py): the head on a vocabulary from the zoo's training
+    # Cheaper drafters (hf_invisiblelora/drafters.py): the head on a vocabulary from the zoo's training
     # text (--draft-vocab tokens), bfloat16 draft weights, both.
     "gate_vocab": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus"),
     "gate_bf16": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_dtype=torch.bfloat16),
@@ -221,20 +221,25 @@ def acceptance(model, encode, names, prompts_for, per_adapter, new_tokens, draft
 def bound(model, encode, names, prompts_for, batch, repeats):
     """(T_base + T_lora) / T_base: one LoRA-on plain step over one LoRA-off step, bank kernels."""
     from hf_invisiblelora.bank import get_bank
+    from hf_invisiblelora.context import PassContext
 
     rows, enc = workload(encode, names, prompts_for, len(names), batch)
     bank = get_bank(model)
     slots = bank.slots(rows)
     ids = enc.input_ids[:, -1:]
+    context = PassContext(lambda: True)  # this script's thread owns the model
+    at = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)  # marks a pass (no SharedCache here)
+    draft = object()  # a LoRA-off pass: any drafter
     t = {"off": [], "on": []}
-    with torch.no_grad(), bank.installed():
+    with torch.no_grad(), bank.installed(context):
         for rep in range(repeats + 1):
             for mode in ("off", "on"):
-                bank.set_batch(slots if mode == "on" else None)
-                sync()
-                start = time.perf_counter()
-                model(input_ids=ids, logits_to_keep=1)
-                sync()
+                bank.begin_pass()
+                with context.running(at, 1, 1, **(dict(adapters=slots) if mode == "on" else dict(drafter=draft))):
+                    sync()
+                    start = time.perf_counter()
+                    model(input_ids=ids, logits_to_keep=1)
+                    sync()
                 if rep:
                     t[mode].append(time.perf_counter() - start)
     off, on = statistics.median(t["off"]), statistics.median(t["on"])

@@ -24,24 +24,42 @@ from pathlib import Path
 import torch
 
 from hf_invisiblelora.bank import get_bank
+from hf_invisiblelora.context import PassContext
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
 from common import machine, timed
 from tiny import LINEAR, SMOLLM2_135M, smollm2_shaped
 
 MAX_LORA_GB = 6.0  # PEFT's copy + the bank's; configs above it are skipped (RAM is shared)
+DRAFT = object()  # a pass context's drafter: a LoRA-off pass (the bank's layers add no delta)
 
 
 def build(rank, n_adapters):
     return smollm2_shaped({f"ad{i}": dict(r=rank, lora_alpha=2 * rank, target_modules=LINEAR) for i in range(n_adapters)})
 
 
+def passes(bank, batch):
+    """(context, one_pass): the pass context the bank is installed with, and ``one_pass(slots)``
+    (the rows' bank slots: LoRA on; None: a LoRA-off pass), a context manager making its block
+    one pass of ``batch`` rows of 1 token (the start slots only mark it as a pass: the model
+    builds its own masks and positions here, with no SharedCache)."""
+    context = PassContext(lambda: True)  # this script's thread owns the model
+    start = torch.zeros(batch, dtype=torch.long)
+
+    def one_pass(slots):
+        bank.begin_pass()
+        if slots is None:
+            return context.running(start, 1, 1, drafter=DRAFT)
+        return context.running(start, 1, 1, adapters=slots)
+    return context, one_pass
+
+
 def bench_config(pm, layer, n_adapters, batch, repeats):
     names = [f"ad{i % n_adapters}" for i in range(batch)]
     bank = get_bank(pm)
+    context, one_pass = passes(bank, batch)
     ids = torch.randint(0, SMOLLM2_135M["vocab_size"], (batch, 1))
     x = torch.randn(batch, 1, SMOLLM2_135M["intermediate_size"])
-    with torch.no_grad(), bank.installed():
-        bank.set_batch(bank.slots(names))
+    with torch.no_grad(), bank.installed(context), one_pass(bank.slots(names)):
         got = pm(ids, logits_to_keep=1).logits
     with torch.no_grad():
         ref = pm(ids, adapter_names=names, logits_to_keep=1).logits
@@ -60,20 +78,19 @@ def bench_config(pm, layer, n_adapters, batch, repeats):
     with torch.no_grad():
         base_layer = timed(lambda: layer.base_layer(x), repeats, 200)
         res["layer_delta_peft_us"] = (timed(peft_layer, repeats, 200)[0] - base_layer[0]) * 1e6
-        with bank.installed():
-            bank.set_batch(bank.slots(names))
+        with bank.installed(context), one_pass(bank.slots(names)):  # every call one pass's layer (down_proj: no group)
             res["layer_delta_torch_us"] = (timed(lambda: layer(x), repeats, 200)[0] - base_layer[0]) * 1e6
-        # Decode steps, interleaved: each repeat runs every variant once.
+        # Decode steps, interleaved: each repeat runs every variant once (the pass context untimed).
         samples = {k: [] for k in ("base", "bank_no_lora", "peft", "torch")}
         for _ in range(repeats):
             with pm.disable_adapter():
                 samples["base"].append(timed(step("base"), 1))
             samples["peft"].append(timed(step("peft"), 1))
-            with bank.installed():
-                bank.set_batch(None)
-                samples["bank_no_lora"].append(timed(step("bank"), 1))
-                bank.set_batch(bank.slots(names))
-                samples["torch"].append(timed(step("bank"), 1))
+            with bank.installed(context):
+                with one_pass(None):
+                    samples["bank_no_lora"].append(timed(step("bank"), 1))
+                with one_pass(bank.slots(names)):
+                    samples["torch"].append(timed(step("bank"), 1))
     for k, v in samples.items():
         res[f"step_{k}_ms"] = statistics.median(s[0] for s in v) * 1e3
         res[f"step_{k}_cpu_ms"] = statistics.median(s[1] for s in v) * 1e3

@@ -4,9 +4,9 @@ One decode step of every row against a 64-token cache, on a real model with its 
 (rows assigned to the adapters round-robin), timed side by side (interleaved, medians):
 
 - base step: the bare base model (no PEFT wrapper), stock forward with a DynamicCache;
-- draft pass: our LoRA-off pass (the drafter) through the engine's forward, SharedCache; and the
-  cheaper drafters (drafter.py): the head on a vocabulary of the --draft-vocab most frequent tokens
-  of the zoo's training text, and bfloat16 draft weights;
+- draft pass: our LoRA-off pass (the base-model drafter) through the engine's forward, SharedCache;
+  and the cheaper drafters (drafters.py, BaseModelDrafter's options): the head on a vocabulary of
+  the --draft-vocab most frequent tokens of the zoo's training text, and bfloat16 draft weights;
 - LoRA-on step: our pass with each row's adapter (the adapter bank), SharedCache;
 - stock PEFT step: PEFT's forward with adapter_names, DynamicCache;
 - verify of 3 tokens per row: our LoRA-on pass over 3 tokens;
@@ -16,7 +16,7 @@ One decode step of every row against a 64-token cache, on a real model with its 
   in the untimed warm-up round, the compile time printed);
 - with --copied-kv: our draft and LoRA-on passes (and compiled ones with --compiled) again with
   the key/value heads copied per query head as Transformers does (repeat_kv) instead of read in
-  place (layout.grouped_kv): the A/B of that choice, in the same interleaved rounds;
+  place (layout._use_gqa, inside our passes): the A/B of that choice, in the same interleaved rounds;
 - bound: base step x (base weight bytes + the batch's distinct adapters' bytes) / base weight bytes,
   what reading the weights alone would add.
 
@@ -38,9 +38,9 @@ import torch
 from transformers import DynamicCache
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora import forward, zoo
+from hf_invisiblelora import layout, zoo
 from hf_invisiblelora.adapters import BankSwitch
-from hf_invisiblelora.drafter import Drafter
+from hf_invisiblelora.drafters import BaseModelDrafter
 from hf_invisiblelora.forward import CompiledForward, EagerForward
 from hf_invisiblelora.state import state_of
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
@@ -58,7 +58,8 @@ def base_bytes(model) -> int:
 
 
 class Setup:
-    """The passes of one (batch, adapters) point, each a callable timing one step."""
+    """The passes of one (batch, adapters) point, each a callable timing one step. Made and timed
+    inside ``state_of(model).hold()``: the pass contexts' owner check is the model state's."""
 
     def __init__(self, model, names, batch, vocab, draft_vocab, compiled=False):
         self.model, self.inner = model, model.get_base_model()
@@ -67,26 +68,26 @@ class Setup:
         self.prompt = torch.randint(3, vocab, (batch, CONTEXT), generator=g)
         self.next = torch.randint(3, vocab, (batch, 3), generator=g)
         state = state_of(model)
-        state.owner = __import__("threading").get_ident()
         self.lora = BankSwitch(model, mixed=True)
-        self.fwd = EagerForward(self.inner, self.lora, batch, CONTEXT + 8, self.prompt.device)
+        self.fwd = EagerForward(self.inner, self.lora, batch, CONTEXT + 8, self.prompt.device, state.mine)
         self.lora.set_rows(self.rows)
         self.start = torch.full((batch,), CONTEXT, dtype=torch.long)
         self.cfwd = None
         if compiled:
-            self.cfwd = CompiledForward(self.inner, state.buckets, self.lora.bank, batch, CONTEXT + 8,
-                                        self.prompt.device, "inductor", range(1, 4))
+            self.cfwd = CompiledForward(self.inner, state.buckets, self.lora, batch, CONTEXT + 8,
+                                        self.prompt.device, "inductor", range(1, 4), state.mine)
             self.cfwd.set_rows(self.rows)
         for fwd in (self.fwd, self.cfwd) if compiled else (self.fwd,):
             mask = torch.ones_like(self.prompt)
             fwd.layout.load(list(range(batch)), mask, (mask.cumsum(-1) - 1), [CONTEXT + 6] * batch)
-            with self.lora.installed(), torch.no_grad():
+            with self.lora.installed(fwd.context), torch.no_grad():
                 fwd(self.prompt, torch.zeros(batch, dtype=torch.long), CONTEXT, keep=1, prefix=CONTEXT)
         self.stock_cache = self._stock_prefill(adapters=True)
         self.base_cache = self._stock_prefill(adapters=False)
         self.hidden = torch.randn(batch, 1, self.inner.config.get_text_config().hidden_size)
-        self.drafters = {"draft_vocab": Drafter(self.inner, state, state.mine, torch.tensor(draft_vocab)),
-                         "draft_bf16": Drafter(self.inner, state, state.mine, dtype=torch.bfloat16)}
+        self.drafter = BaseModelDrafter(self.inner, state)  # the base model as it is: the default drafter
+        self.drafters = {"draft_vocab": BaseModelDrafter(self.inner, state, torch.tensor(draft_vocab)),
+                         "draft_bf16": BaseModelDrafter(self.inner, state, dtype=torch.bfloat16)}
 
     def _stock_prefill(self, adapters: bool):
         cache = DynamicCache(config=self.inner.config)
@@ -98,23 +99,27 @@ class Setup:
                     self.inner(input_ids=self.prompt, cache=cache, use_cache=True, logits_to_keep=1)
         return cache
 
-    def ours(self, lora_on: bool, q: int, compiled: bool = False):
+    def installed(self, compiled: bool = False, drafter=None):
+        """The (untimed) context of our passes: the LoRA switch, and ``drafter`` if given, installed
+        with the forward's pass context (the compiled forward's is its bucket's)."""
+        context = (self.cfwd if compiled else self.fwd).context
+
+        @contextlib.contextmanager
+        def installed():
+            with self.lora.installed(context), drafter.installed(context) if drafter else contextlib.nullcontext():
+                yield
+        return installed
+
+    def ours(self, lora_on: bool, q: int, compiled: bool = False, drafter=None):
+        """Our pass of q tokens per row: LoRA on, or a draft pass (the default drafter unless given)."""
         ids, fwd = self.next[:, :q], self.cfwd if compiled else self.fwd
-        return lambda: fwd(ids, self.start, CONTEXT + q, keep=q, lora_on=lora_on)
+        drafter = None if lora_on else drafter or self.drafter
+        return lambda: fwd(ids, self.start, CONTEXT + q, keep=q, drafter=drafter)
 
     def drafted(self, name: str):
         """(context, step): a draft pass with one of the cheaper drafters."""
-        drafter, step = self.drafters[name], self.ours(False, 1)
-
-        @contextlib.contextmanager
-        def context():
-            with self.lora.installed(), drafter.installed():
-                self.fwd.drafter = drafter
-                try:
-                    yield
-                finally:
-                    self.fwd.drafter = None
-        return context, step
+        drafter = self.drafters[name]
+        return self.installed(drafter=drafter), self.ours(False, 1, drafter=drafter)
 
     def stock(self, adapters: bool):
         cache = self.stock_cache if adapters else self.base_cache
@@ -132,15 +137,16 @@ class Setup:
 
 
 def copied_kv(context):
-    """``context`` with our passes copying KV heads as Transformers does (no layout.grouped_kv)."""
+    """``context`` with our passes copying KV heads as Transformers does: SDPA's GQA switch
+    (layout._use_gqa) told that no pass of ours is running, so it makes Transformers' choice."""
     @contextlib.contextmanager
     def both():
-        saved, forward.grouped_kv = forward.grouped_kv, contextlib.nullcontext
+        saved, layout.in_pass = layout.in_pass, lambda: False
         try:
             with context():
                 yield
         finally:
-            forward.grouped_kv = saved
+            layout.in_pass = saved
     return both
 
 
@@ -187,21 +193,21 @@ def main(argv=None):
         for a in args.adapters:
             if a > batch or a > len(names):
                 continue
-            s = Setup(model, names[:a], batch, vocab, draft_vocab, args.compiled)
-            active = set(s.rows)
-            bound = (weights + sum(adapter_bytes(model, n) for n in active)) / weights
-            ours, off, plain = s.lora.installed, model.disable_adapter, contextlib.nullcontext
-            steps = {"base": (off, s.stock(False)), "draft": (ours, s.ours(False, 1)), "lora": (ours, s.ours(True, 1)),
-                     "stock": (plain, s.stock(True)), "verify3": (ours, s.ours(True, 3)),
-                     "lm_head": (plain, s.lm_head()), "draft_vocab": s.drafted("draft_vocab"),
-                     "draft_bf16": s.drafted("draft_bf16")}
-            for name, (lora_on, q) in zip(compiled, [(False, 1), (True, 1), (True, 3)]):
-                steps[name] = (ours, s.ours(lora_on, q, compiled=True))
-            ab = [k for k in ("draft", "lora", *compiled[:2]) if args.copied_kv]
-            for name in ab:
-                steps[name + "_copied"] = (copied_kv(steps[name][0]), steps[name][1])
-            t, first = timed(steps, args.repeats)
-            state_of(model).owner = None
+            with state_of(model).hold():
+                s = Setup(model, names[:a], batch, vocab, draft_vocab, args.compiled)
+                active = set(s.rows)
+                bound = (weights + sum(adapter_bytes(model, n) for n in active)) / weights
+                ours, off, plain = s.installed(), model.disable_adapter, contextlib.nullcontext
+                steps = {"base": (off, s.stock(False)), "draft": (ours, s.ours(False, 1)),
+                         "lora": (ours, s.ours(True, 1)), "stock": (plain, s.stock(True)),
+                         "verify3": (ours, s.ours(True, 3)), "lm_head": (plain, s.lm_head()),
+                         "draft_vocab": s.drafted("draft_vocab"), "draft_bf16": s.drafted("draft_bf16")}
+                for name, (lora_on, q) in zip(compiled, [(False, 1), (True, 1), (True, 3)]):
+                    steps[name] = (s.installed(compiled=True), s.ours(lora_on, q, compiled=True))
+                ab = [k for k in ("draft", "lora", *compiled[:2]) if args.copied_kv]
+                for name in ab:
+                    steps[name + "_copied"] = (copied_kv(steps[name][0]), steps[name][1])
+                t, first = timed(steps, args.repeats)
             r = dict(batch=batch, adapters=a, bound=bound, **{k: 1000 * v for k, v in t.items()})
             if compiled:
                 r["compile_s"] = {k: first[k] - t[k] for k in compiled}

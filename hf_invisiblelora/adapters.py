@@ -1,9 +1,10 @@
 """Switching LoRA on (every row with its own adapter) and off (the shared base model, the drafter).
 
-The decoding loop asks only these two things of the LoRA layers. ``BankSwitch`` does it through
-the adapter bank's batched kernels (bank.py; the default); ``PeftSwitch`` through PEFT's own
-per-adapter loop (the reference). Both act only for the call's thread: another thread running the
-model meanwhile gets its LoRA layers as they are.
+The decoding loop asks only this of the LoRA layers: a pass with LoRA on takes each row's adapter
+from the pass context (context.py; what ``switch.adapters(rows)`` gave it), a draft pass none.
+``BankSwitch`` does it through the adapter bank's batched kernels (bank.py; the default);
+``PeftSwitch`` through PEFT's own per-adapter loop (the reference). Both act only in the call's
+passes: another thread running the model meanwhile gets its LoRA layers as they are.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import contextlib
 import torch
 
 from .bank import get_bank
-from .checks import BASE, lora_layers
+from .lora import BASE, lora_layers
 from .state import forwards
 
 
@@ -24,54 +25,59 @@ def _key(rows):
     return ("some", *rows.tolist())
 
 
+def _selected(values: list, rows) -> list:
+    if rows is None:
+        return values
+    return values[rows] if isinstance(rows, slice) else [values[r] for r in rows.tolist()]
+
+
 class PeftSwitch:
-    """LoRA through PEFT's own layers: on = PEFT's forward (its ``adapter_names`` loop for a mixed
-    batch; its active adapter otherwise), off = the base layer alone."""
+    """LoRA through PEFT's own layers: a LoRA-on pass runs PEFT's forward (its ``adapter_names``
+    loop for a mixed batch; its active adapter otherwise), a draft pass the base layer alone.
+    ``adapters(rows)`` is what a pass context carries: the rows' names (mixed), else None."""
 
-    def __init__(self, model, mixed: bool, mine):
+    def __init__(self, model, mixed: bool):
         self.layers = lora_layers(model)
-        self.mixed, self.mine, self.lora, self.names = mixed, mine, True, None
+        self.mixed, self.names, self.context = mixed, [], None
 
-    def installed(self):
-        return forwards({m: (lambda x, *args, _m=m, _f=m.forward, **kw: (
-            self._forward(_m, _f, x, *args, **kw) if self.mine() else _f(x, *args, **kw))) for m in self.layers})
+    @contextlib.contextmanager
+    def installed(self, context):
+        self.context = context
+        with forwards({m: (lambda x, *args, _m=m, _f=m.forward, **kw: (
+                self._forward(_m, _f, x, *args, **kw) if context.mine() else _f(x, *args, **kw))) for m in self.layers}):
+            yield self
 
     def _forward(self, m, original, x, *args, **kwargs):
+        p = self.context
         kwargs.pop("adapter_names", None)
-        if not self.lora:
+        if p.drafter is not None:
             return m.base_layer(x, *args, **kwargs)
-        if self.names is not None:
-            kwargs["adapter_names"] = self.names
+        if p.adapters is not None:
+            kwargs["adapter_names"] = p.adapters
         return original(x, *args, **kwargs)
 
     def set_rows(self, adapter_names: list) -> None:
         """Each row's adapter (None or "__base__": none)."""
-        self.all_names = [a or BASE for a in adapter_names]
+        self.names = [a or BASE for a in adapter_names]
 
-    def on(self, rows=None) -> None:
-        self.lora = True
-        if self.mixed:
-            idx = range(len(self.all_names)) if rows is None else \
-                range(*rows.indices(len(self.all_names))) if isinstance(rows, slice) else rows.tolist()
-            self.names = [self.all_names[r] for r in idx]
-
-    def off(self) -> None:
-        self.lora = False
+    def adapters(self, rows=None):
+        return _selected(self.names, rows) if self.mixed else None
 
 
 class BankSwitch:
-    """LoRA through the adapter bank: on = one batched shrink/expand per layer for all adapters."""
+    """LoRA through the adapter bank: one batched shrink/expand per layer for all adapters.
+    ``adapters(rows)`` is what a pass context carries: the rows' bank slots."""
 
-    def __init__(self, model, mixed: bool, mine=None):
+    def __init__(self, model, mixed: bool):
         self.bank = get_bank(model, adapters=())  # the structure now; weights as rows name adapters
         self.mixed = mixed
         self.row_slots, self._views = None, {}
         self._synced = set()
 
     @contextlib.contextmanager
-    def installed(self):
+    def installed(self, context):
         self.bank.round_delta = self.mixed  # PEFT's numerics: mixed batch, or one active adapter
-        with self.bank.installed():
+        with self.bank.installed(context):
             yield self
 
     def set_rows(self, adapter_names: list) -> None:
@@ -81,16 +87,14 @@ class BankSwitch:
             self.bank.sync(new)
             self._synced |= new
         self.row_slots = self.bank.slots([a or BASE for a in adapter_names])
-        self._views = {}  # the bank memoizes metadata per row_slots object: one object per row set
+        self._views = {}  # the bank memoizes metadata per slot tensor: one tensor per row set
 
-    def on(self, rows=None) -> None:
+    def adapters(self, rows=None):
+        self.bank.begin_pass()
         key = _key(rows)
         if key not in self._views:
             self._views[key] = self.row_slots if rows is None else self.row_slots[rows]
-        self.bank.set_batch(self._views[key])
-
-    def off(self) -> None:
-        self.bank.set_batch(None)
+        return self._views[key]
 
 
 SWITCHES = {"bank": BankSwitch, "peft": PeftSwitch}

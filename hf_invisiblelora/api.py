@@ -8,10 +8,8 @@ callable hook.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import threading
 import time
 from dataclasses import dataclass
 
@@ -21,10 +19,9 @@ from peft.tuners.lora.model import _adapter_names_pre_forward_hook
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .adapters import SWITCHES, bank_inexact
+from .adapters import bank_inexact
 from .bank import get_bank
 from .checks import (
-    BASE,
     check_adapter_state,
     check_call,
     check_compile,
@@ -32,14 +29,14 @@ from .checks import (
     check_options,
     resolve_adapter_names,
 )
-from .decoding import Decoder
-from .drafter import Drafter, check_vocabulary, observe as observe_tokens, vocabulary as drafter_vocabulary
-from .forward import CompiledForward, EagerForward, backend_for, warmed
-from .gate import Gate
+from .drafters import BaseModelDrafter, check_vocabulary, observe as observe_tokens, vocabulary as drafter_vocabulary
+from .forward import backend_for, warmed
 from .layout import prompt_positions
+from .lora import BASE
 from .policies import GeneratePolicy
 from .processors import ScoreHistory, reads_scores, split_criteria, step_outputs
-from .rotary import Recompute, StepRotary, length_dependent, recompute_slot
+from .rotary import Recompute, length_dependent, recompute_slot
+from .session import Session, lora_backend as choose_lora_backend
 from .state import state_of
 from .stats import DecodingStats
 
@@ -76,7 +73,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         kept on the model for later calls; the first call of a bucket pays the compilation (logged
         at INFO), or ``warm_up`` ahead of it. ``state_of(model).clear()`` drops them.
     draft_vocab: the drafter's head restricted to this many of the most frequent tokens seen in the
-        model's prompts and outputs (plus the prompts' tokens), or to a list of token ids (drafter.py).
+        model's prompts and outputs (plus the prompts' tokens), or to a list of token ids (drafters.py).
     draft_dtype: the drafter's linear layers in this dtype (torch.bfloat16: fast where the CPU has
         BF16 kernels). Both make draft passes cheaper and keep the output exact.
     With ``return_dict_in_generate=True`` the output has ``.stats`` (DecodingStats); the last
@@ -99,12 +96,10 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     check_adapter_state(model, names, mixed)
     if isinstance(draft_vocab, (list, tuple, torch.Tensor)):
         draft_vocab = check_vocabulary(draft_vocab, inner)
-    if lora_backend == "bank" and (why := bank_inexact(model, set(names) - {BASE})):
-        if compile is True:
-            raise ValueError(f"compile=True needs the adapter bank, which cannot compute these adapters as PEFT does "
-                             f"({why}); use compile=False, or cast the adapters to one dtype.")
-        logger.info("hf_invisiblelora: PEFT's own LoRA layers compute this call (%s).", why)
-        lora_backend = "peft"
+    if lora_backend == "bank" and compile is True and (why := bank_inexact(model, set(names) - {BASE})):
+        raise ValueError(f"compile=True needs the adapter bank, which cannot compute these adapters as PEFT does "
+                         f"({why}); use compile=False, or cast the adapters to one dtype.")
+    lora_backend = choose_lora_backend(model, names, lora_backend)
     compile_backend = backend_for(compile, model.device, model.dtype, lora_backend)
     length_varying = any(length_dependent(m) for m in inner.modules())
     if compile == "auto" and length_varying:
@@ -143,21 +138,14 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         width = prompt_len + max_new + num_draft_tokens + 1
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        lora = SWITCHES[lora_backend](model, mixed, state.mine)
         vocab_size = inner.config.get_text_config(decoder=True).vocab_size
         vocab = draft_vocab if draft_vocab is None or not isinstance(draft_vocab, int) else \
             drafter_vocabulary(state, draft_vocab, input_ids, vocab_size)
-        drafter = None if vocab is None and draft_dtype is None else \
-            Drafter(inner, state, state.mine, None if vocab is None else torch.as_tensor(vocab), draft_dtype,
-                    size=draft_vocab if isinstance(draft_vocab, int) else None)
-        widths = range(1, num_draft_tokens + 2)
-        length = warmed(state.buckets, lora.bank, input_ids.device, inner.dtype, b, width, rows, widths,
-                        gate != "never") if warm_only and drafter is None else None
+        drafter = BaseModelDrafter(inner, state, None if vocab is None else torch.as_tensor(vocab), draft_dtype,
+                                   size=draft_vocab if isinstance(draft_vocab, int) else None)
+        length = warmed(state.buckets, get_bank(model, adapters=()), input_ids.device, inner.dtype, b, width, rows,
+                        range(1, num_draft_tokens + 2), gate != "never", drafter.key) if warm_only else None
         backend = "inductor" if length else compile_backend
-        if backend is None:
-            fwd = EagerForward(inner, lora, b, width, input_ids.device, drafter)
-        else:
-            fwd = CompiledForward(inner, state.buckets, lora.bank, b, width, input_ids.device, backend, widths, length)
         pad_id = int(pad) if pad is not None else 0
         eos = stopping.eos
         slot = recompute_slot(inner, prompt_len)
@@ -166,23 +154,23 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         # Standard decoding hands the criteria its scores tuple when it returns scores.
         history = ScoreHistory(max_new, b, vocab_size, prompt_len, input_ids.device) \
             if want_scores and reads_scores(stopping.criteria) else None
-        decoder = Decoder(
-            fwd, lora, GeneratePolicy(logits_processor, bool(generation_config.do_sample), generator),
-            Gate(gate, num_draft_tokens, state.gate, BASE, passes=backend or "eager",
-                 drafter=drafter.variant if drafter else ""),
-            capacity=b, span=b, pad_id=pad_id, eos=None if eos is None else eos.to(input_ids.device),
+        session = Session(
+            model, state, GeneratePolicy(logits_processor, bool(generation_config.do_sample), generator),
+            capacity=b, width=width, mixed=mixed, lora_backend=lora_backend, gate=gate,
+            num_draft_tokens=num_draft_tokens, drafter=drafter, compile_backend=backend, length=length,
+            span=b, pad_id=pad_id, eos=None if eos is None else eos.to(input_ids.device),
             criteria=stopping.criteria, freeze=stopping.pads, timed=stopping.timed,
-            recompute=None if slot is None else Recompute(slot, b),
-            scores=history, keep_prefill=want_scores or want_logits,
+            recompute=None if slot is None else Recompute(slot, b), scores=history,
+            keep_prefill=want_scores or want_logits,
         )
-        rotary = StepRotary(inner, fwd.layout, state.mine)
-        with lora.installed(), rotary.installed(), drafter.installed() if drafter else contextlib.nullcontext():
+        fwd = session.fwd
+        with session.installed() as decoder:
             kept = decoder.admit(list(range(b)), input_ids, mask, positions, [max_new] * b, rows)
             while True:
                 if streamer is not None and kept[0]:
-                    end = prompt_len + decoder.rows.gen_h[0]
-                    streamer.put(decoder.rows.tokens[0, end - kept[0] : end].cpu())
-                if not decoder.rows.active:
+                    end = prompt_len + decoder.batch.gen_h[0]
+                    streamer.put(decoder.batch.tokens[0, end - kept[0] : end].cpu())
+                if not decoder.batch.active:
                     break
                 kept = decoder.cycle()
             new = decoder.output_length()
@@ -192,7 +180,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
             if streamer is not None:
                 streamer.end()
             if not returned:
-                rotary.finish(prompt_len, new)
+                session.rotary.finish(prompt_len, new)
                 return sequences
             scores = logits = None
             fed = want_scores or want_logits or _recomputes(decoder.recompute, prompt_len, new)
@@ -201,20 +189,13 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
                 if raw is not None:
                     scores, logits = step_outputs(logits_processor, sequences, prompt_len, raw, want_scores)
                     logits = logits if want_logits else None
-            cache = _returned_cache(fwd, decoder.rows, sequences, inner.config, copy=backend is not None, fed=fed)
-            rotary.finish(prompt_len, new)  # after the passes above: the rotary modules as standard decoding leaves them
+            cache = _returned_cache(fwd, decoder.batch, sequences, inner.config, copy=backend is not None, fed=fed)
+            session.rotary.finish(prompt_len, new)  # after the passes above: the rotary modules as standard decoding leaves them
         return InvisibleLoRAOutput(sequences=sequences, scores=scores, logits=logits, cache=cache, stats=stats)
 
-    if state.mine():
-        raise RuntimeError("generate(invisible_lora=True) was called from inside another InvisibleLoRA call on the "
-                           "same model (a streamer, processor or criterion?): calls on one model run one at a time.")
-    with state.lock:
-        state.owner = threading.get_ident()
-        try:
-            out = inner.generate(input_ids, custom_generate=decode, **kwargs)
-            state.stats = stats
-        finally:
-            state.owner = None
+    with state.hold():
+        out = inner.generate(input_ids, custom_generate=decode, **kwargs)
+        state.stats = stats
     return out
 
 
@@ -269,7 +250,7 @@ def _step_logits(fwd, decoder, sequences, prompt_len: int, new: int, keep: bool 
     return out
 
 
-def _returned_cache(fwd, rows, sequences, config, copy: bool, fed: bool = False):
+def _returned_cache(fwd, batch, sequences, config, copy: bool, fed: bool = False):
     """The DynamicCache standard generate() returns: keys/values of every token but the last.
 
     Rows that finished early were fed their EOS and padding by standard decoding (one step per
@@ -278,7 +259,7 @@ def _returned_cache(fwd, rows, sequences, config, copy: bool, fed: bool = False)
     """
     b, length = sequences.shape
     end = length - 1  # standard decoding never feeds the last token
-    first = rows.plen_h[0] + min(rows.gen_h[:b]) - 1  # the earliest slot a row has not cached
+    first = batch.plen_h[0] + min(batch.gen_h[:b]) - 1  # the earliest slot a row has not cached
     if first < end and not fed:
         start = torch.full((b,), first, dtype=torch.long, device=sequences.device)
         fwd(sequences[:, first:end], start, end, keep=1)

@@ -2,10 +2,9 @@
 per-forward metadata that lets one batched op per layer replace PEFT's loop over adapters.
 
     bank = get_bank(peft_model)                      # built once, re-synced per call
-    row_slots = bank.slots(["math", "__base__", "code"])
-    with bank.installed():
-        bank.set_batch(row_slots)                    # once per forward, shared by all layers
-        logits = peft_model(input_ids).logits
+    with bank.installed(context):                    # the decoder's pass context (context.py)
+        with context.running(..., adapters=bank.slots(["math", "__base__", "code"])):
+            logits = peft_model(input_ids).logits     # every LoRA layer reads the rows' slots there
 
 Numerics follow PEFT: the stacks keep the adapters' own dtype (PEFT keeps float32 adapters on a
 bfloat16 model), the input is cast to it, and the delta is added as PEFT adds it: rounded to the
@@ -14,7 +13,6 @@ output's dtype first for a mixed batch (``adapter_names=``), in the adapters' dt
 
 import contextlib
 import itertools
-import threading
 import weakref
 from typing import NamedTuple
 
@@ -22,7 +20,7 @@ import torch
 from torch import nn
 
 from . import kernels
-from .checks import named_lora_layers
+from .lora import named_lora_layers
 from .state import forwards, state_of
 
 # Sibling LoRA layers that read the same input tensor in the architectures we know. Their shrinks
@@ -99,7 +97,7 @@ class _Packs:
         self.cache = {}
 
 
-class _Layer:
+class _Stacks:
     """One LoRA layer's stacked weights: A [S, R, in], B*scaling [S, out, R] (zeros where absent).
     R is the largest rank rounded up to a multiple of 4 (aligned slices for grouped matmuls).
     ``transposed``: store them as [S, in, R] and [S, R, out], the layout the torch path's matmuls
@@ -195,8 +193,8 @@ class _Group:
 class AdapterBank:
     """Every adapter's LoRA weights of a PEFT model, stacked per LoRA layer in fixed slots.
 
-    ``owner``: the thread id of the call using the bank; other threads calling the model meanwhile
-    get PEFT's own forward (the bank's routing is for that call only).
+    Installed for one call with the call's pass context (context.py): each LoRA layer reads the
+    rows' adapters from it; other threads calling the model meanwhile get PEFT's own forward.
 
     Its layers, groups and packs hold no reference cycles, so the stacks an adapter change replaces
     are freed at once. (A layer and its packs, and a layer and its group, were cycles: every
@@ -208,11 +206,9 @@ class AdapterBank:
         self.model = model
         self._signature = None
         self.version = 0  # bumped when the stacks are reallocated (a graph holding them must be redone)
-        self.owner = None
+        self.context = None  # the pass context of the call it is installed for
         self._original = {}  # module -> its forward before installed()
         self.round_delta = True  # PEFT's mixed-batch numerics (see the module docstring)
-        self._rows = None  # row slots of the next forward(s); None = no LoRA
-        self._metas = {}  # tokens per row -> metadata of the next forward(s)
         self._last_meta = None  # last LoRA metadata: its weight cache outlives draft passes
         self._memo_rows, self._memo = None, {}  # metadata per tokens_per_row for the current row_slots
         self.sync()
@@ -258,7 +254,7 @@ class AdapterBank:
         self.dtype = dtype
         self.ops = kernels.get_backend(self.device, dtype)
         transposed = self.ops is kernels.torch_lora
-        self.layers = {m: _Layer(m, names, dtype, transposed) for _, m in self.modules if len(m.lora_A)}
+        self.layers = {m: _Stacks(m, names, dtype, transposed) for _, m in self.modules if len(m.lora_A)}
         self.groups = self._make_groups(transposed)
         # One wrapper per layer for the bank's lifetime: compiled graphs guard on the forward they traced.
         self._forwards = {
@@ -270,7 +266,7 @@ class AdapterBank:
 
     def _drop_prepared(self) -> None:
         # Metadata carries prepared copies of the stacks (torch path): they are stale now.
-        self._metas, self._last_meta = {}, None
+        self._last_meta = None
         self._memo_rows, self._memo = None, {}
         for packs in [layer.packs for layer in self.layers.values()] + [group.packs for group in self.groups]:
             packs.clear()
@@ -373,33 +369,31 @@ class AdapterBank:
         index = {a: i for i, a in enumerate(self.adapter_names)}
         return torch.tensor([index.get(a, -1) for a in adapter_names], dtype=torch.long, device=self.device)
 
-    def set_batch(self, row_slots) -> None:
-        """The next forward(s) run row r with adapter slot row_slots[r] (every token of the row,
-        whatever the number of tokens per row a layer sees); None: no LoRA at all (base model cost).
-        Metadata is memoized per row_slots object: pass a new tensor rather than editing one in place."""
-        self._rows = row_slots
-        if row_slots is None:
-            self._metas = {}
-        else:
-            # A decoding loop alternates a few widths: build each metadata once per call
-            # (building reads counts back to the host: a device sync on CUDA).
-            if self._memo_rows is not row_slots:
-                self._memo_rows, self._memo = row_slots, {}
-            self._metas = self._memo
-        self._clear_groups()
+    def begin_pass(self) -> None:
+        """A new pass: nothing to share with the last one (a group's kept shrink). A compiled pass
+        also guards on what it finds here: it must always find the same, nothing."""
+        for group in self.groups:
+            group.clear()
 
-    def _meta_for(self, tokens: int):
+    def _meta_for(self, adapters, tokens: int):
         """Metadata for a layer input of ``tokens`` tokens (rows x tokens per row: the lm_head sees
-        fewer per row than the other layers)."""
-        meta = self._metas.get(tokens)
-        if meta is None and self._rows is not None:
-            rows = self._rows.shape[0]
+        fewer per row than the other layers). ``adapters``: the pass context's: the rows' slots
+        [B] (metadata built once per slot tensor and width: a decoding loop alternates a few
+        widths, and building reads counts back to the host, a device sync on CUDA), or
+        {tokens: LoraMeta} as given (compiled passes)."""
+        if isinstance(adapters, dict):
+            return adapters.get(tokens)
+        if self._memo_rows is not adapters:
+            self._memo_rows, self._memo = adapters, {}
+        meta = self._memo.get(tokens)
+        if meta is None:
+            rows = adapters.shape[0]
             if tokens % rows:
                 raise ValueError(f"a LoRA layer got {tokens} tokens for {rows} rows: its input is not the batch's "
                                  "tokens (e.g. LoRA on MoE experts, which see routed tokens); not supported")
-            meta = self._metas[tokens] = kernels.make_meta(
-                self.token_slots(self._rows, tokens // rows), len(self.adapter_names), previous=self._last_meta)
-        if meta is not None and not meta.no_lora and not meta.static:
+            meta = self._memo[tokens] = kernels.make_meta(
+                self.token_slots(adapters, tokens // rows), len(self.adapter_names), previous=self._last_meta)
+        if not meta.no_lora:
             self._last_meta = meta
         return meta
 
@@ -407,23 +401,12 @@ class AdapterBank:
         """[B * tokens_per_row] slot of each token of a [B, tokens_per_row] input."""
         return torch.as_tensor(row_slots, device=self.device).repeat_interleave(tokens_per_row)
 
-    def set_meta(self, metas) -> None:
-        """Metadata of the next forward(s) as given: {tokens in a layer's input: kernels.LoraMeta},
-        or None = no LoRA."""
-        self._rows, self._metas = None, metas or {}
-        self._clear_groups()
-
-    def _clear_groups(self):
-        # A new pass: nothing to share with the last one. (A compiled pass also guards on what it
-        # finds here: it must always find the same, nothing.)
-        for group in self.groups:
-            group.clear()
-
     def _forward(self, m, layer, x, *args, **kwargs):
-        if not torch.compiler.is_compiling() and self.owner != threading.get_ident():
+        p = self.context
+        if not torch.compiler.is_compiling() and (p is None or not p.mine()):
             return self._original[m](x, *args, **kwargs)  # another thread's call: the layer as it was
         # PEFT's generate() hooks inject adapter_names into every LoRA layer; under installed()
-        # the rows' adapters come from set_batch instead.
+        # the rows' adapters come from the pass context instead.
         kwargs.pop("adapter_names", None)
         base = m.base_layer
         if args or kwargs or type(base) is not nn.Linear or base.__dict__.get("forward") or base._forward_hooks \
@@ -431,10 +414,10 @@ class AdapterBank:
             out = base(x, *args, **kwargs)
         else:  # a plain Linear: skip the module call (about 210 of these per step)
             out = nn.functional.linear(x, base.weight, base.bias)
-        if layer is None or not self._metas and self._rows is None or m.disable_adapters:
-            return out  # no LoRA here: no adapter in this layer, a LoRA-off pass, or PEFT's adapters disabled
+        if layer is None or p.drafter is not None or p.adapters is None or m.disable_adapters:
+            return out  # no LoRA here: no adapter in this layer, a draft pass, or PEFT's adapters disabled
         x2 = x.reshape(-1, x.shape[-1])  # tokens in row order: row b's tokens are consecutive
-        meta = self._meta_for(x2.shape[0])
+        meta = self._meta_for(p.adapters, x2.shape[0])
         if meta is None or meta.no_lora:
             return out
         x2 = x2 if x2.dtype == self.dtype else x2.to(self.dtype)
@@ -447,18 +430,17 @@ class AdapterBank:
         return out
 
     @contextlib.contextmanager
-    def installed(self):
-        """Route every LoRA layer's forward through base_layer(x) + bank delta for this thread;
-        restore on exit."""
-        self.owner = threading.get_ident()
+    def installed(self, context):
+        """Route every LoRA layer's forward through base_layer(x) + bank delta in ``context``'s
+        passes (context.py); restore on exit."""
+        self.context = context
         self._original = {m: m.forward for _, m in self.modules}
         try:
             with forwards({m: self._forwards[m] for _, m in self.modules}):
                 yield self
         finally:
-            self.owner = None
-            self._rows, self._metas = None, {}
-            self._clear_groups()  # drop the references to the last inputs
+            self.context = None
+            self.begin_pass()  # drop the references to the last inputs
 
 
 def get_bank(model, adapters=None) -> AdapterBank:

@@ -13,7 +13,6 @@ from typing import Sequence
 import torch
 
 from peft import PeftModel
-from peft.tuners.lora import LoraLayer
 from peft.tuners.lora.layer import Linear as LoraLinear
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.generation import logits_process as lp
@@ -21,10 +20,9 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from .cache import ATTENTION_LAYERS
 from .layout import ATTENTION
+from .lora import BASE, all_modules, lora_layers, named_lora_layers
 from .rotary import length_dependent
-from .state import state_of
 
-BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
 GATE_MODES = ("auto", "always", "never")
 LORA_BACKENDS = ("bank", "peft")
 COMPILE_OPTIONS = ("auto", True, False)
@@ -64,34 +62,6 @@ def check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab=Non
         raise ValueError(f"draft_vocab must be a number of tokens (> 0) or a list of token ids, got {draft_vocab!r}.")
     if draft_dtype is not None and draft_dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"draft_dtype must be torch.bfloat16 or torch.float16, got {draft_dtype!r}.")
-    if compile is True and (draft_vocab is not None or draft_dtype is not None):
-        raise ValueError("draft_vocab and draft_dtype work with compile=False (eager passes) only.")
-
-
-def _walk(model) -> tuple:
-    """(LoRA layers with their names, every module) of the model. Walking a model with many adapters
-    costs tens of ms (thousands of modules), so the walk is kept in the model's state and redone only
-    when the adapters PEFT lists (peft_config: names and configs) change, which is when LoRA layers
-    come and go."""
-    state = state_of(model)
-    config = tuple((getattr(model, "peft_config", None) or {}).items())
-    if state.layers is None or state.layers[0] != config:
-        modules = list(model.named_modules())
-        state.layers = (config, [(n, m) for n, m in modules if isinstance(m, LoraLayer)], [m for _, m in modules])
-    return state.layers[1:]
-
-
-def named_lora_layers(model) -> list:
-    """(name, layer) of every PEFT LoRA layer (see _walk)."""
-    return _walk(model)[0]
-
-
-def all_modules(model) -> list:
-    return _walk(model)[1]
-
-
-def lora_layers(model) -> list:
-    return [m for _, m in named_lora_layers(model)]
 
 
 def check_model(model) -> None:

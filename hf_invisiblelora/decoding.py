@@ -1,13 +1,13 @@
 """The InvisibleLoRA decoding loop: prefill, then cycles of draft -> verify -> accept -> commit.
 
-A ``Decoder`` holds rows of one shared cache. ``Rows.tokens`` [C, W]: slot j of row b holds token j
+A ``Decoder`` holds rows of one shared cache. ``Batch.tokens`` [C, W]: slot j of row b holds token j
 of that row (layout.py): its (left-padded) prompt at 0..plen[b]-1, then its generated tokens,
 ``gen[b]`` of them committed. Cache slot j holds token j's key/value (cache.py), so the last
 committed token ``tokens[b, plen[b] + gen[b] - 1]`` is the only committed token not yet cached,
 and it is where each cycle starts:
 
-    draft   (LoRA off, k passes of 1 token): d_1..d_k written to tokens[end .. end+k-1]
-            and their speculative KV to the same slots - 1
+    draft   (the drafter, drafters.py: the base model with LoRA off, k passes of 1 token):
+            d_1..d_k written to tokens[end .. end+k-1] and their speculative KV to the same slots - 1
     verify  (LoRA on, 1 pass of k+1 tokens): [last, d_1..d_k] at slots end-1 .., overwriting
             the draft KV with LoRA-on KV; target scores for k+1 positions
     accept  n drafts per row (the policy's rule), plus one target token
@@ -36,7 +36,7 @@ from .processors import expired, first_stop
 
 
 @dataclass
-class Rows:
+class Batch:
     """The rows of one cache: their tokens and how far each has got.
 
     Device tensors for batched ops, host lists (``*_h``) refreshed by each cycle's one sync. A free
@@ -55,7 +55,7 @@ class Rows:
     stop_at: list
 
     @classmethod
-    def empty(cls, capacity: int, width: int, pad_id: int, device) -> "Rows":
+    def empty(cls, capacity: int, width: int, pad_id: int, device) -> "Batch":
         zeros = torch.zeros(capacity, dtype=torch.long, device=device)
         return cls(torch.full((capacity, width), pad_id, dtype=torch.long, device=device), zeros, zeros.clone(),
                    [0] * capacity, [0] * capacity, [True] * capacity, [0] * capacity, [None] * capacity)
@@ -92,37 +92,15 @@ class Rows:
         return max(self.plen_h[r] + self.gen_h[r] for r in range(hi)) - 1 + extra
 
 
-def draft(fwd, rows: Rows, hi: int, k: int, policy):
-    """k LoRA-off passes of one token per row; returns drafts [hi, k] and the policy's draft
-    probabilities [hi, k, V] (speculative sampling) or None.
-
-    Each draft is written into ``rows.tokens`` at once: the next draft step and the processors read it there.
-    """
-    last = rows.ends(hi) - 1
-    x = rows.tokens[:hi].gather(1, last[:, None])
-    drafts, probs = [], []
-    for j in range(k):
-        logits = fwd(x, last + j, rows.kv_end(hi, 1) + j, keep=1, lora_on=False, rows=slice(0, hi))
-        d, q = policy.pick(policy.scores(rows, slice(0, hi), logits, offset=j)[:, 0], rows, slice(0, hi), offset=j)
-        if q is not None:
-            probs.append(q)
-        rows.tokens[:hi].scatter_(1, (last + 1 + j)[:, None], d[:, None])
-        drafts.append(d)
-        x = d[:, None]
-    if not drafts:  # k = 0: a plain step follows
-        return rows.tokens.new_zeros(hi, 0), None
-    return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
-
-
-def verify(fwd, rows: Rows, hi: int, k: int, policy):
+def verify(fwd, batch: Batch, hi: int, k: int, policy):
     """One LoRA-on pass over [last, d_1..d_k] per row; returns processed target scores [hi, k+1, V]."""
-    start = rows.ends(hi) - 1
-    ids = rows.tokens[:hi].gather(1, start[:, None] + torch.arange(k + 1, device=start.device))
-    logits = fwd(ids, start, rows.kv_end(hi, k + 1), keep=k + 1, rows=slice(0, hi))
-    return policy.scores(rows, slice(0, hi), logits, offset=0, target=True)
+    start = batch.ends(hi) - 1
+    ids = batch.tokens[:hi].gather(1, start[:, None] + torch.arange(k + 1, device=start.device))
+    logits = fwd(ids, start, batch.kv_end(hi, k + 1), keep=k + 1, rows=slice(0, hi))
+    return policy.scores(batch, slice(0, hi), logits, offset=0, target=True)
 
 
-def commit(rows: Rows, hi: int, n, next_token, k: int, eos, criteria, freeze: bool, members=None, timed=(),
+def commit(batch: Batch, hi: int, n, next_token, k: int, eos, criteria, freeze: bool, members=None, timed=(),
            scores=None):
     """Append each member row's accepted drafts + next token, cut at EOS / stopping criteria / the
     row's budget. ``n``, ``next_token``: [hi]; ``members``: the rows committing (default: the
@@ -137,12 +115,12 @@ def commit(rows: Rows, hi: int, n, next_token, k: int, eos, criteria, freeze: bo
     Returns the host lists (kept per row, accepted drafts per row): the cycle's one device sync
     (two when stopping criteria beyond EOS and the budget are set).
     """
-    members = [r for r in range(hi) if not rows.done_h[r]] if members is None else members
-    tokens, end = rows.tokens[:hi], rows.ends(hi)
+    members = [r for r in range(hi) if not batch.done_h[r]] if members is None else members
+    tokens, end = batch.tokens[:hi], batch.ends(hi)
     tokens.scatter_(1, (end + n)[:, None], next_token[:, None])
     member = torch.zeros(hi, dtype=torch.bool, device=tokens.device)
     member[members] = True
-    budget = torch.tensor(rows.max_new_h[:hi], device=tokens.device) - rows.gen[:hi]
+    budget = torch.tensor(batch.max_new_h[:hi], device=tokens.device) - batch.gen[:hi]
     kept = torch.where(member, n + 1, 0).minimum(budget)
     stopped = torch.zeros_like(member)
     if eos is not None:
@@ -154,66 +132,67 @@ def commit(rows: Rows, hi: int, n, next_token, k: int, eos, criteria, freeze: bo
         kept = torch.where(stopped, is_eos.long().argmax(1) + 1, kept)
     kept_h, stopped_h, n_h = torch.stack([kept, stopped.long(), n]).tolist()
     if criteria:
-        for r, s in enumerate(first_stop(criteria, tokens, rows.plen_h[:hi], rows.gen_h[:hi], kept_h, scores)):
+        for r, s in enumerate(first_stop(criteria, tokens, batch.plen_h[:hi], batch.gen_h[:hi], kept_h, scores)):
             if s is not None:
                 kept_h[r], stopped_h[r] = s, 1
     for r in members:
-        rows.gen_h[r] += kept_h[r]
-        if stopped_h[r] and rows.stop_at[r] is None:
-            rows.stop_at[r] = rows.gen_h[r]
+        batch.gen_h[r] += kept_h[r]
+        if stopped_h[r] and batch.stop_at[r] is None:
+            batch.stop_at[r] = batch.gen_h[r]
     if timed and expired(timed, tokens):
-        _end_batch(rows, hi, kept_h, freeze)
-        rows.gen = torch.tensor(rows.gen_h, device=tokens.device)
+        _end_batch(batch, hi, kept_h, freeze)
+        batch.gen = torch.tensor(batch.gen_h, device=tokens.device)
         return kept_h, n_h
     # Without freezing (generate(), whose rows 0..hi-1 are its batch), every row generates up to
     # the last row's stop once all have stopped.
-    limit = None if freeze or None in rows.stop_at[:hi] else max(rows.stop_at[:hi])
+    limit = None if freeze or None in batch.stop_at[:hi] else max(batch.stop_at[:hi])
     for r in members:
-        stop = freeze and rows.stop_at[r] is not None
-        rows.done_h[r] = stop or rows.gen_h[r] >= (rows.max_new_h[r] if limit is None else limit)
-    rows.gen = torch.tensor(rows.gen_h, device=tokens.device)
+        stop = freeze and batch.stop_at[r] is not None
+        batch.done_h[r] = stop or batch.gen_h[r] >= (batch.max_new_h[r] if limit is None else limit)
+    batch.gen = torch.tensor(batch.gen_h, device=tokens.device)
     return kept_h, n_h
 
 
-def _end_batch(rows: Rows, hi: int, kept_h: list, freeze: bool) -> None:
+def _end_batch(batch: Batch, hi: int, kept_h: list, freeze: bool) -> None:
     """Every row of 0..hi-1 ends at the shortest length of a row still generating real tokens (rows
     finished and padded do not count); nothing to cut if none is."""
-    going = [rows.gen_h[r] for r in range(hi) if not rows.done_h[r] and not (freeze and rows.stop_at[r] is not None)]
+    going = [batch.gen_h[r] for r in range(hi) if not batch.done_h[r] and not (freeze and batch.stop_at[r] is not None)]
     if going:
         end = min(going)
         for r in range(hi):
-            kept_h[r] -= max(0, rows.gen_h[r] - end)
-            rows.gen_h[r] = min(rows.gen_h[r], end)
+            kept_h[r] -= max(0, batch.gen_h[r] - end)
+            batch.gen_h[r] = min(batch.gen_h[r], end)
             if not freeze:  # the batch's output ends here
-                rows.stop_at[r] = end
+                batch.stop_at[r] = end
     for r in range(hi):
-        rows.done_h[r] = True
+        batch.done_h[r] = True
 
 
 class Decoder:
     """Rows of one shared cache, decoded in cycles (see the module docstring).
 
     ``fwd``: the forward object (forward.py), ``lora``: the LoRA switch (adapters.py), ``policy``:
-    processing, picking and acceptance. ``eos``: the stop token ids, [E] for every row or [C, E]
-    per row (-1 pads), or None; ``criteria``: stopping
-    criteria beyond EOS and the budget (generate()'s); ``freeze``, ``timed``: see ``commit``. ``recompute``:
-    a rotary.Recompute when standard decoding recomputes its cache at some slot. ``span``: run
-    every pass over rows 0..span-1 (generate(): processors then see the whole batch, as in
-    standard decoding), else over the rows up to the last active one. ``history``: keep each
-    cycle's k in ``k_per_cycle`` (generate()'s stats; a server's long run keeps only ``k``, the last).
-    ``scores``: a processors.ScoreHistory when the criteria are handed the processed scores (generate()
-    returning scores), recorded from the prefill and the verify passes. ``keep_prefill``: keep the
-    prefill's raw logits (float32 [n, V], ``prefill_logits``) for returned logits / scores.
+    processing, picking and acceptance, ``drafter``: what proposes the drafts (drafters.py).
+    ``eos``: the stop token ids, [E] for every row or [C, E] per row (-1 pads; ``set_stops``), or
+    None; ``criteria``: stopping criteria beyond EOS and the budget (generate()'s); ``freeze``,
+    ``timed``: see ``commit``. ``recompute``: a rotary.Recompute when standard decoding recomputes
+    its cache at some slot. ``span``: run every pass over rows 0..span-1 (generate(): processors
+    then see the whole batch, as in standard decoding), else over the rows up to the last active
+    one. ``history``: keep each cycle's k in ``k_per_cycle`` (generate()'s stats; a server's long
+    run keeps only ``k``, the last). ``scores``: a processors.ScoreHistory when the criteria are
+    handed the processed scores (generate() returning scores), recorded from the prefill and the
+    verify passes. ``keep_prefill``: keep the prefill's raw logits (float32 [n, V],
+    ``prefill_logits``) for returned logits / scores.
     """
 
-    def __init__(self, fwd, lora, policy, gate: Gate, *, capacity: int, pad_id: int, eos=None, criteria=None,
-                 freeze: bool = True, timed=(), recompute=None, span: int | None = None, history: bool = True,
-                 scores=None, keep_prefill: bool = False):
-        self.fwd, self.lora, self.policy, self.gate, self.span = fwd, lora, policy, gate, span
-        self.rows = Rows.empty(capacity, fwd.layout.width, pad_id, fwd.layout.positions.device)
+    def __init__(self, fwd, lora, policy, gate: Gate, drafter, *, capacity: int, pad_id: int, eos=None,
+                 criteria=None, freeze: bool = True, timed=(), recompute=None, span: int | None = None,
+                 history: bool = True, scores=None, keep_prefill: bool = False):
+        self.fwd, self.lora, self.policy, self.gate, self.drafter, self.span = fwd, lora, policy, gate, drafter, span
+        self.batch = Batch.empty(capacity, fwd.layout.width, pad_id, fwd.layout.positions.device)
         self.eos, self.criteria, self.freeze, self.timed, self.recompute = eos, criteria, freeze, timed, recompute
         self.names = [None] * capacity  # each row's adapter
-        self.timer = PassTimer(self.rows.tokens.device)
+        self.timer = PassTimer(self.batch.tokens.device)
         self.cycles, self.k, self.k_per_cycle, self.history = 0, 0, [], history
         self.drafted, self.accepted, self.row_cycles = [0] * capacity, [0] * capacity, [0] * capacity
         self.scores, self.keep_prefill, self.prefill_logits = scores, keep_prefill, None
@@ -226,50 +205,50 @@ class Decoder:
         for r, name in zip(idx, names):
             self.names[r] = name
             self.drafted[r] = self.accepted[r] = self.row_cycles[r] = 0
-        self.lora.set_rows(self.names)
-        self.fwd.set_rows(self.names)
-        self.rows.load(idx, input_ids, max_new)
+        self._rows_changed()
+        self.batch.load(idx, input_ids, max_new)
         self.fwd.layout.load(idx, attention_mask, positions, [p + m - 2 for m in max_new])
         sub = torch.tensor(idx, device=input_ids.device)
         logits = self.fwd(input_ids, torch.zeros_like(sub), p, keep=1, prefix=p, rows=sub)
         if self.keep_prefill:  # a copy: processors may edit their input in place
             self.prefill_logits = logits[:, -1].to(torch.float32, copy=True)
-        scores = self.policy.scores(self.rows, sub, logits, offset=0, target=True)
+        scores = self.policy.scores(self.batch, sub, logits, offset=0, target=True)
         if self.scores is not None:
             self.scores.record(sub, [0] * len(idx), scores)
-        n, next_token = self.policy.accept(self.rows.tokens.new_zeros(len(idx), 0), None, scores, self.rows, sub)
+        n, next_token = self.policy.accept(self.batch.tokens.new_zeros(len(idx), 0), None, scores, self.batch, sub)
         hi = max(idx) + 1
         full_n, full_next = n.new_zeros(hi), n.new_zeros(hi)
         full_n[sub], full_next[sub] = n, next_token
-        kept, _ = commit(self.rows, hi, full_n, full_next, 0, self.eos, self.criteria, self.freeze, members=idx,
+        kept, _ = commit(self.batch, hi, full_n, full_next, 0, self.eos, self.criteria, self.freeze, members=idx,
                          timed=self.timed, scores=self.scores)
         return kept
 
     def cycle(self):
         """One cycle over the active rows: gate, draft, verify, accept, commit. Returns the tokens
         kept per row (host list, rows 0..hi-1)."""
-        rows = self.rows
-        hi, active = self.span or rows.hi, rows.active
+        batch = self.batch
+        hi, active = self.span or batch.hi, batch.active
         self.gate.set_rows(self.names[:hi])
-        k = self.gate.choose([0 if rows.done_h[r] else rows.max_new_h[r] - rows.gen_h[r] for r in range(hi)])
+        k = self.gate.choose([0 if batch.done_h[r] else batch.max_new_h[r] - batch.gen_h[r] for r in range(hi)])
         self.cycles, self.k = self.cycles + 1, k
         if self.history:
             self.k_per_cycle.append(k)
         builds = self.fwd.builds
         with self.timer("draft"):
-            drafts, draft_probs = draft(self.fwd, rows, hi, k, self.policy)
+            drafts, draft_probs = self.drafter.propose(self.fwd, batch, hi, k, self.policy)
         if self.recompute is not None:
-            self.recompute.before_verify(self.fwd, rows)
+            self.recompute.before_verify(self.fwd, batch)
         with self.timer("verify"):
-            scores = verify(self.fwd, rows, hi, k, self.policy)
-        n, next_token = self.policy.accept(drafts, draft_probs, scores, rows, slice(0, hi))
+            scores = verify(self.fwd, batch, hi, k, self.policy)
+        n, next_token = self.policy.accept(drafts, draft_probs, scores, batch, slice(0, hi))
         if self.recompute is not None:
-            n, next_token = self.recompute.cap(rows, hi, n, next_token, drafts)
+            n, next_token = self.recompute.cap(batch, hi, n, next_token, drafts)
         if self.scores is not None:  # position t of the verify pass chose token gen + t
-            self.scores.record(torch.arange(hi, device=scores.device), rows.gen_h[:hi], scores,
-                               live=[not d for d in rows.done_h[:hi]])
-        kept, n_h = commit(rows, hi, n, next_token, k, self.eos, self.criteria, self.freeze, timed=self.timed,
+            self.scores.record(torch.arange(hi, device=scores.device), batch.gen_h[:hi], scores,
+                               live=[not d for d in batch.done_h[:hi]])
+        kept, n_h = commit(batch, hi, n, next_token, k, self.eos, self.criteria, self.freeze, timed=self.timed,
                            scores=self.scores)
+        self.drafter.learn(batch, hi, n_h)
         for r in active:
             self.drafted[r] += k
             self.accepted[r] += n_h[r]
@@ -279,24 +258,85 @@ class Decoder:
             self.gate.observe(k, n_h, [r in active for r in range(hi)], spans.get("draft"), spans["verify"])
         return kept
 
+    # --- rows changed from outside the cycle (the serving engine) ---
+
+    def set_stops(self, r: int, stops: list[int]) -> None:
+        """Row r's stop token ids, in the per-row table (widened if they are more)."""
+        table = self.eos
+        if len(stops) > table.shape[1]:
+            table = torch.cat([table, table.new_full((table.shape[0], len(stops) - table.shape[1]), -1)], 1)
+        table[r] = -1
+        table[r, : len(stops)] = torch.tensor(stops, dtype=table.dtype, device=table.device)
+        self.eos = table
+
+    def free(self, r: int) -> None:
+        """Row r holds no request any more: no adapter, no policy state (its slots are reused)."""
+        self.batch.done_h[r] = True
+        self.names[r] = None
+        self.policy.release(r)
+
+    def reset(self, rows: list[int], room: int) -> None:
+        """Free ``rows`` after a failure, whatever was half-done: a free row rides along in cycles,
+        so its counts are made to keep its slots in range (``room``: the slots a row may use)."""
+        batch = self.batch
+        for r in rows:
+            self.free(r)
+            batch.stop_at[r] = None
+            batch.gen_h[r], batch.plen_h[r] = 0, min(max(batch.plen_h[r], 1), room)
+        batch.sync()
+        self._rows_changed()
+
+    def remaining(self, r: int) -> int:
+        """Tokens row r may still commit."""
+        return self.batch.max_new_h[r] - self.batch.gen_h[r]
+
+    def generated(self, r: int) -> int:
+        return self.batch.gen_h[r]
+
+    def end_reason(self, r: int) -> str | None:
+        """None while row r decodes; once done, "length" (its budget) or "stop" (a stop token)."""
+        b = self.batch
+        if not b.done_h[r]:
+            return None
+        return "length" if b.gen_h[r] >= b.max_new_h[r] and b.stop_at[r] is None else "stop"
+
+    def chunks(self, kept: list[int]) -> list[list[int]]:
+        """Each row's newly committed tokens (its last ``kept[r]``), in one copy to the host (one device sync)."""
+        if not any(kept):
+            return [[] for _ in kept]
+        b, tokens = self.batch, self.batch.tokens[: len(kept)].tolist()
+        return [tokens[r][b.plen_h[r] + b.gen_h[r] - n : b.plen_h[r] + b.gen_h[r]] if n else []
+                for r, n in enumerate(kept)]
+
+    def set_lora(self, lora) -> None:
+        """A new LoRA switch (the adapters changed: a new bank, whose slots may move); rows in flight go on."""
+        self.lora = self.fwd.lora = lora
+        self._rows_changed()
+
+    def _rows_changed(self) -> None:
+        self.lora.set_rows(self.names)
+        self.fwd.set_rows(self.names)
+
+    # --- generate()'s output ---
+
     def output_length(self) -> int:
         """New tokens in generate()'s output: as many as standard decoding's steps."""
-        rows = self.rows
-        if not self.freeze and None not in rows.stop_at:
-            return min(max(rows.stop_at), max(rows.max_new_h))
-        return max(rows.gen_h)
+        batch = self.batch
+        if not self.freeze and None not in batch.stop_at:
+            return min(max(batch.stop_at), max(batch.max_new_h))
+        return max(batch.gen_h)
 
     def fill_stats(self, stats, new: int) -> None:
         """generate()'s DecodingStats: per row, and the gate's decisions per cycle."""
         stats.cycles, stats.k_per_cycle, stats.draft_passes = self.cycles, self.k_per_cycle, sum(self.k_per_cycle)
         stats.drafted, stats.accepted, stats.row_cycles = self.drafted, self.accepted, self.row_cycles
-        stats.committed = [min(g, new) for g in self.rows.gen_h]
+        stats.committed = [min(g, new) for g in self.batch.gen_h]
         stats.cache_bytes = self.fwd.cache.nbytes
 
     def sequences(self, idx: list[int], length: int, pad_id: int):
         """[n, length] tokens of rows ``idx`` (prompt and generated), padding past each row's end."""
-        seqs = self.rows.tokens[idx, :length].clone()
-        ends = torch.tensor([self.rows.plen_h[r] + self.rows.gen_h[r] for r in idx], device=seqs.device)
+        seqs = self.batch.tokens[idx, :length].clone()
+        ends = torch.tensor([self.batch.plen_h[r] + self.batch.gen_h[r] for r in idx], device=seqs.device)
         return seqs.masked_fill_(torch.arange(length, device=seqs.device) >= ends[:, None], pad_id)
 
 

@@ -2,13 +2,16 @@
 
 One protocol, two implementations:
 
-    fwd(ids, start, kv_len, keep, lora_on=True, prefix=None, rows=None) -> logits [b, keep, V]
+    fwd(ids, start, kv_len, keep, drafter=None, prefix=None, rows=None, lens=None) -> logits [b, keep, V]
         one pass over ``ids`` [b, q], row b's tokens written at cache slots start[b] .. start[b]+q-1,
-        attending to the first ``kv_len`` slots, LoRA on (each row its adapter) or off (the drafter);
-        ``rows``: the rows it runs: all (None), the first ones (a slice from 0) or some (an index
-        tensor: a prefill); ``prefix``: the pass computes the first slots as standard decoding's one
-        call over ``prefix`` slots did (a prompt's pass: P)
+        attending to the first ``kv_len`` slots, LoRA on (each row its adapter) or the ``drafter``'s
+        pass (drafters.py); ``rows``: the rows it runs: all (None), the first ones (a slice from 0)
+        or some (an index tensor: a prefill); ``prefix``: the pass computes the first slots as
+        standard decoding's one call over ``prefix`` slots did (a prompt's pass: P); ``lens`` [b]:
+        row b's first lens[b] tokens are real, the rest padding (not written; the logits kept are
+        each row's last ``keep`` real ones); None: all q
     fwd.set_rows(names)  each row's adapter, when rows change
+    fwd.context  the pass context (context.py): set here, once per pass, from these arguments
     fwd.layout  the rows' slot tables (layout.py); fwd.cache  the shared KV cache (cache.py)
     fwd.builds  passes compiled or captured so far (their timings are not steady state)
 
@@ -30,8 +33,9 @@ compiles it once per bucket:
 
 A bucket's state (cache, buffers, compiled passes) lives on the model, so later calls with the
 same bucket reuse it without compiling. Pass kinds: draft (LoRA off, 1 token per row), plain
-(LoRA on, 1 token) and verify (LoRA on, 2..K+1 tokens), each compiled the first time it runs;
-the prefill (as many tokens as the prompt) runs eagerly on the same fixed shapes.
+(LoRA on, 1 token) and verify (LoRA on, 2..K+1 tokens), each compiled the first time it runs (a
+draft pass per drafter key); the prefill (as many tokens as the prompt) and passes with per-row
+lengths run eagerly on the same fixed shapes.
 Backends: "inductor" (``torch.compile``, the CPU) or "cuda_graphs" (each pass captured with
 ``torch.cuda.CUDAGraph`` on its first run and replayed after: no compiler, no kernel launches).
 """
@@ -46,35 +50,50 @@ import types
 import torch
 
 from . import kernels
-from .cache import SharedCache, model_pass
-from .checks import BASE
-from .layout import RowLayout, grouped_kv
+from .cache import SharedCache
+from .context import PassContext
+from .layout import RowLayout
+from .lora import BASE
 
 logger = logging.getLogger("hf_invisiblelora")
 COMPILE_OPTIONS = ("auto", True, False)
 
 
+def model_pass(model, cache: SharedCache, masks, position_ids, ids, keep: int):
+    """One model pass over ``ids`` [b, q] as the cache's pass context describes it; the logits of
+    each row's last ``keep`` (real) tokens."""
+    p = cache.context
+    p.prepare_writes(p.start, cache.capacity)
+    out = model(input_ids=ids, attention_mask=masks, position_ids=position_ids, cache=cache, use_cache=True,
+                logits_to_keep=keep if p.lens is None else 0)
+    if p.lens is None:
+        return out.logits
+    at = (p.lens[:, None] - keep + torch.arange(keep, device=ids.device)).clamp(min=0)
+    return out.logits.gather(1, at[:, :, None].expand(-1, -1, out.logits.shape[-1]))
+
+
 class EagerForward:
     """Passes as they come: the rows as they are, attending to the first ``kv_len`` cache slots.
-    ``capacity`` rows of ``width`` slots."""
+    ``capacity`` rows of ``width`` slots; ``owner``: the model state's owner check (the context's)."""
 
     builds = 0
 
-    def __init__(self, model, lora, capacity: int, width: int, device, drafter=None):
-        self.model, self.lora, self.drafter = model, lora, drafter
-        self.layout = RowLayout(model, capacity, width, device)
-        self.cache = SharedCache(model.config, capacity, width)
+    def __init__(self, model, lora, capacity: int, width: int, device, owner):
+        self.model, self.lora = model, lora
+        self.context = PassContext(owner)
+        self.layout = RowLayout(model, capacity, width, device, self.context)
+        self.cache = SharedCache(model.config, capacity, width, self.context)
 
     def set_rows(self, names) -> None:
         pass
 
-    def __call__(self, ids, start, kv_len: int, keep: int, lora_on: bool = True, prefix=None, rows=None):
-        self.lora.on(rows) if lora_on else self.lora.off()
-        if self.drafter is not None:
-            self.drafter.active = not lora_on
-        masks, position_ids = self.layout.begin_pass(start, ids.shape[1], kv_len, prefix, rows)
-        with grouped_kv():
-            return model_pass(self.model, self.cache, masks, position_ids, ids, start, kv_len, keep, rows)
+    def __call__(self, ids, start, kv_len: int, keep: int, drafter=None, prefix=None, rows=None, lens=None):
+        self.cache.check_room(kv_len)
+        adapters = self.lora.adapters(rows) if drafter is None else None
+        with self.context.running(start, ids.shape[1], kv_len, rows=rows, lens=lens, prefix=prefix, drafter=drafter,
+                                  adapters=adapters):
+            masks, position_ids = self.layout.inputs()
+            return model_pass(self.model, self.cache, masks, position_ids, ids, keep)
 
 
 def backend_for(option, device: torch.device, dtype: torch.dtype, lora_backend: str) -> str | None:
@@ -130,18 +149,19 @@ def pack_buckets(bucket, bank, active) -> tuple:
     return min(built, key=lambda ar: ar[0] * ar[1], default=need)
 
 
-def warmed(buckets: dict, bank, device, dtype, rows: int, width: int, names, widths: range, drafts: bool) -> int | None:
+def warmed(buckets: dict, bank, device, dtype, rows: int, width: int, names, widths: range, drafts: bool,
+           drafter: str = "") -> int | None:
     """The cache length of the smallest bucket of ``rows`` rows and at least ``width`` slots whose
     compiled passes (``warm_up`` or earlier ``compile=True`` calls) include every pass a call with
-    adapters ``names`` can run (LoRA-on passes of 1 to K + 1 tokens and the draft pass; only the
-    1-token LoRA-on pass if it never ``drafts``); None if there is none. ``compile="auto"`` on the
-    CPU takes such a bucket, and never compiles inside a call."""
+    adapters ``names`` can run (LoRA-on passes of 1 to K + 1 tokens and the draft pass of the
+    drafter key ``drafter``; only the 1-token LoRA-on pass if it never ``drafts``); None if there
+    is none. ``compile="auto"`` on the CPU takes such a bucket, and never compiles inside a call."""
     keys = sorted((k for k in buckets if k[:3] == (device, dtype, row_bucket(rows)) and k[3] >= width),
                   key=lambda k: k[3])
     active = _active(bank.slots([a or BASE for a in names])) if keys else None
     for key in keys:
         packs = pack_buckets(buckets[key], bank, active)
-        need = {(q, True, packs) for q in (widths if drafts else [1])} | ({(1, False, None)} if drafts else set())
+        need = {(q, None, packs) for q in (widths if drafts else [1])} | ({(1, drafter, None)} if drafts else set())
         if need <= set(buckets[key].passes):
             return key[3]
     return None
@@ -152,15 +172,17 @@ def length_bucket(length: int) -> int:
 
 
 class Bucket:
-    """What persists across calls for one (rows, cache length): cache, buffers, compiled passes."""
+    """What persists across calls for one (rows, cache length): pass context, cache, buffers,
+    compiled passes (which hold the context and cache they were built with)."""
 
-    def __init__(self, config, rows: int, length: int, device):
-        self.cache = SharedCache(config, rows, length)
+    def __init__(self, config, rows: int, length: int, device, owner):
+        self.context = PassContext(owner)
+        self.cache = SharedCache(config, rows, length, self.context)
         self.start = torch.zeros(rows, dtype=torch.long, device=device)
         self.ids = {}  # q -> [rows, q] input buffer
         self.inputs = {}  # q -> (masks, position_ids) buffers
         self.metas = {}  # q -> static LoraMeta whose tensors are updated in place
-        self.passes = {}  # (q, lora_on, (adapter bucket, rank bucket) of the torch path's packs) -> callable
+        self.passes = {}  # (q, drafter key or None, (adapter bucket, rank bucket) of the torch path's packs) -> callable
         self.bank_version = None  # CUDA graphs hold the bank's tensors by address: recapture on change
         self.pool = None  # one CUDA graph memory pool per bucket: passes run one at a time
 
@@ -183,27 +205,32 @@ def _copy_into(buffer, value):
 class CompiledForward:
     """Passes with fixed shapes (see the module docstring); same protocol as ``EagerForward``.
 
-    ``buckets``: the model's store of Bucket objects (kept across calls); ``capacity`` rows of at
+    ``lora``: the LoRA switch (its adapter bank); ``buckets``: the model's store of Bucket objects
+    (kept across calls); ``capacity`` rows of at
     least ``width`` slots (in the bucket of ``length`` slots if given, else ``length_bucket(width)``);
     ``widths``: the tokens per row of the passes to compile (1 .. K + 1).
     """
 
-    def __init__(self, model, buckets: dict, bank, capacity: int, width: int, device, backend: str, widths: range,
-                 length: int | None = None):
-        self.model, self.bank, self.backend, self.widths = model, bank, backend, widths
-        self.rows, self.length = row_bucket(capacity), length or length_bucket(width)
+    def __init__(self, model, buckets: dict, lora, capacity: int, width: int, device, backend: str, widths: range,
+                 owner, length: int | None = None):
+        self.model, self.lora, self.backend, self.widths = model, lora, backend, widths
+        self.size, self.length = row_bucket(capacity), length or length_bucket(width)
         self.builds = 0
-        key = (device, model.dtype, self.rows, self.length)
+        key = (device, model.dtype, self.size, self.length)
         if key not in buckets:
-            buckets[key] = Bucket(model.config, self.rows, self.length, device)
-        self.state = state = buckets[key]
-        if backend == "cuda_graphs" and state.bank_version != self.bank.version:
-            state.passes, state.bank_version = {}, self.bank.version
-        self.cache = state.cache
-        self.layout = RowLayout(model, self.rows, self.length, device)
-        self.row_slots = torch.full((self.rows,), -1, dtype=torch.long, device=device)
+            buckets[key] = Bucket(model.config, self.size, self.length, device, owner)
+        self.bucket = bucket = buckets[key]
+        if backend == "cuda_graphs" and bucket.bank_version != self.bank.version:
+            bucket.passes, bucket.bank_version = {}, self.bank.version
+        self.cache, self.context = bucket.cache, bucket.context
+        self.layout = RowLayout(model, self.size, self.length, device, self.context)
+        self.row_slots = torch.full((self.size,), -1, dtype=torch.long, device=device)
         self.fresh_metas = set()  # q whose metadata buffers hold the current rows
         self.adapters = None  # the rows' (adapter bucket, rank bucket) (torch path)
+
+    @property
+    def bank(self):
+        return self.lora.bank
 
     def set_rows(self, names) -> None:
         self.row_slots = torch.full_like(self.row_slots, -1)
@@ -212,75 +239,78 @@ class CompiledForward:
         self.adapters = None
         if self.bank.ops is kernels.torch_lora:  # the packed path: the active adapters' weights at fixed widths
             active = _active(self.row_slots)
-            self.adapters = pack_buckets(self.state, self.bank, active)
+            self.adapters = pack_buckets(self.bucket, self.bank, active)
             self.bank.fix(active, *self.adapters)
 
-    def __call__(self, ids, start, kv_len: int, keep: int, lora_on: bool = True, prefix=None, rows=None):
+    def __call__(self, ids, start, kv_len: int, keep: int, drafter=None, prefix=None, rows=None, lens=None):
         b, q = ids.shape
-        state = self.state
-        if isinstance(rows, torch.Tensor) or prefix is not None or q not in self.widths:
-            # A prefill of some rows: eager, on the bucket's cache.
+        bucket, p = self.bucket, self.context
+        self.cache.check_room(kv_len)
+        self.bank.begin_pass()
+        if isinstance(rows, torch.Tensor) or prefix is not None or lens is not None or q not in self.widths:
+            # A prefill of some rows, or a ragged pass: eager, on the bucket's cache.
             rows = torch.arange(b, device=ids.device) if rows is None else rows
-            self.bank.set_batch(self.row_slots[rows] if lora_on else None)
-            masks, position_ids = self.layout.begin_pass(start, q, kv_len, prefix, rows)
-            with grouped_kv():
-                return model_pass(self.model, self.cache, masks, position_ids, ids, start, kv_len, keep, rows)
+            adapters = self.row_slots[rows] if drafter is None else None
+            with p.running(start, q, kv_len, rows=rows, lens=lens, prefix=prefix, drafter=drafter, adapters=adapters):
+                masks, position_ids = self.layout.inputs()
+                return model_pass(self.model, self.cache, masks, position_ids, ids, keep)
         # Rows 0..b-1 (the others ride along on what their buffers hold) over the whole bucket.
-        if q not in state.ids:
-            state.ids[q] = ids.new_zeros(self.rows, q)
-        state.ids[q][:b] = ids
-        state.start[:b] = start
-        masks, position_ids = self.layout.begin_pass(state.start, q, self.length)
-        if q not in state.inputs:
-            state.inputs[q] = (masks, position_ids)
-        else:
-            _copy_into(state.inputs[q][0], masks)
-            state.inputs[q][1].copy_(position_ids)
-        self.bank.set_meta({self.rows * q: self._meta(q)} if lora_on else None)
-        key = (q, lora_on, self.adapters if lora_on else None)
-        fn = state.passes.get(key)
-        with grouped_kv():
-            return (fn() if fn is not None else self._build(q, lora_on, key))[:b, q - keep:]
+        if q not in bucket.ids:
+            bucket.ids[q] = ids.new_zeros(self.size, q)
+        bucket.ids[q][:b] = ids
+        bucket.start[:b] = start
+        adapters = {self.size * q: self._meta(q)} if drafter is None else None
+        with p.running(bucket.start, q, self.length, drafter=drafter, adapters=adapters):
+            masks, position_ids = self.layout.inputs()
+            if q not in bucket.inputs:
+                bucket.inputs[q] = (masks, position_ids)
+            else:
+                _copy_into(bucket.inputs[q][0], masks)
+                bucket.inputs[q][1].copy_(position_ids)
+            key = (q, None if drafter is None else drafter.key, self.adapters if drafter is None else None)
+            fn = bucket.passes.get(key)
+            return (fn() if fn is not None else self._build(q, key))[:b, q - keep:]
 
     def _static_meta(self, q: int):
         return kernels.make_meta(self.bank.token_slots(self.row_slots, q), len(self.bank.adapter_names), static=True)
 
     def _meta(self, q: int):
         """This call's static metadata for q tokens per row, in the bucket's persistent buffers."""
-        meta = self.state.metas.get(q)
+        meta = self.bucket.metas.get(q)
         if q not in self.fresh_metas:
             new = self._static_meta(q)
             if meta is None or meta.sorted_tokens.shape != new.sorted_tokens.shape or meta.offsets.shape != new.offsets.shape:
-                meta = self.state.metas[q] = new  # first use, or adapters were added / deleted
+                meta = self.bucket.metas[q] = new  # first use, or adapters were added / deleted
             else:
                 for name in ("token_slots", "sorted_tokens", "slot_counts", "slot_starts", "offsets"):
                     getattr(meta, name).copy_(getattr(new, name))
             self.fresh_metas.add(q)
         return meta
 
-    def _build(self, q: int, lora_on: bool, key):
+    def _build(self, q: int, key):
         """Compile or capture the pass ``key`` (see Bucket.passes), run it once for this step; returns its logits."""
-        state, kind = self.state, ("verify" if q > 1 else "plain") if lora_on else "draft"
-        if lora_on and self.adapters:
-            kind += "_a{}r{}".format(*self.adapters)
-        masks, position_ids = state.inputs[q]
-        args = (self.model, self.cache, masks, position_ids, state.ids[q], state.start, self.length, q)
+        bucket, (_, drafter, packs) = self.bucket, key
+        kind = ("verify" if q > 1 else "plain") if drafter is None else f"draft{drafter.replace('/', '_')}"
+        if packs:
+            kind += "_a{}r{}".format(*packs)
+        masks, position_ids = bucket.inputs[q]
+        args = (self.model, self.cache, masks, position_ids, bucket.ids[q], q)
         t = time.perf_counter()
         if self.backend == "inductor":
-            fn = torch.compile(_own_code(model_pass, f"{kind}_{self.rows}x{q}"), fullgraph=True, dynamic=False)
+            fn = torch.compile(_own_code(model_pass, f"{kind}_{self.size}x{q}"), fullgraph=True, dynamic=False)
             call = functools.partial(fn, *args)
             out = call()
         else:
-            call, out = _capture(lambda: model_pass(*args), state)
-        state.passes[key] = call
+            call, out = _capture(lambda: model_pass(*args), bucket)
+        bucket.passes[key] = call
         self.builds += 1
         logger.info("hf_invisiblelora: %s %s pass (%d rows, %d cache slots, %d tokens/row) in %.1f s",
-                    "compiled" if self.backend == "inductor" else "captured", kind, self.rows, self.length, q,
+                    "compiled" if self.backend == "inductor" else "captured", kind, self.size, self.length, q,
                     time.perf_counter() - t)
         return out
 
 
-def _capture(fn, state):
+def _capture(fn, bucket):
     """Run ``fn`` once (warm-up: Triton compiles, the allocator sees the shapes), then capture it
     into a CUDA graph. Returns (replay, the warm-up's output). Running the pass twice is harmless:
     it writes the same cache slots with the same values."""
@@ -289,10 +319,10 @@ def _capture(fn, state):
     with torch.cuda.stream(stream):
         out = fn().clone()
     torch.cuda.current_stream().wait_stream(stream)
-    if state.pool is None:
-        state.pool = torch.cuda.graph_pool_handle()
+    if bucket.pool is None:
+        bucket.pool = torch.cuda.graph_pool_handle()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=state.pool):
+    with torch.cuda.graph(graph, pool=bucket.pool):
         static_out = fn()
 
     def replay():

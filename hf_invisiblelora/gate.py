@@ -12,7 +12,7 @@ the gate picks k in 0..K minimising the expected time for the row expected to fi
 and drafts only if that promises MARGIN more speed than plain steps.
 
 Acceptance is tracked per adapter and drafter (decayed success/trial counts, seeded by a prior,
-pooled over rows and calls; a cheaper drafter, drafter.py, is accepted less often); pass costs are measured from the passes themselves, per batch shape (rows,
+pooled over rows and calls; a cheaper drafter, drafters.py, is accepted less often); pass costs are measured from the passes themselves, per batch shape (rows,
 distinct adapters, eager or compiled) and tokens per row, as the median of the last few timings.
 Both live in the model's state (state.py), so later generate calls start informed.
 
@@ -81,7 +81,7 @@ class Gate:
     def __init__(self, mode: str, max_k: int, memory: GateMemory, base: str, passes: str = "eager",
                  drafter: str = ""):
         self.mode, self.max_k, self.memory, self.base = mode, max_k, memory, base
-        self.drafter = drafter  # the drafter's variant (drafter.Drafter.variant; "" the full base model)
+        self.drafter = drafter  # the drafter's key (drafters.Drafter.key; "" the base model as it is)
         self.variant = passes + drafter  # what pass costs depend on: eager / compiled, and the drafter
         self.set_rows([])
 

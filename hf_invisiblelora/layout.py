@@ -20,10 +20,9 @@ model's attention implementation (boolean for sdpa, additive for eager), so the 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import sys
-import threading
+from typing import NamedTuple
 
 import torch
 from transformers import masking_utils
@@ -31,15 +30,27 @@ from transformers.integrations import sdpa_attention
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING, AttentionMaskInterface
 
+from .context import in_pass
+
 ROW_MASKS = "hf_invisiblelora_rows"  # our mask interface's name in Transformers' registry
 ATTENTION = ("sdpa", "eager")  # attention implementations whose masks we can build
 
 
+class _MaskSpec(NamedTuple):
+    """What our mask interface reads from the config it is handed: the decoder's pass context
+    (its query slots, prefix), the window of the cache layers this mask is for, and the model's
+    attention implementation (the mask's format)."""
+
+    context: object
+    window: int | None
+    implementation: str
+
+
 def _row_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
               use_vmap=False, config=None, dtype=torch.float32, **kwargs):
-    """Transformers' mask-interface signature; ``config.invisiblelora`` is the call's RowLayout."""
-    layout = config.invisiblelora
-    query = layout.query  # [B, q] slot of every query token
+    """Transformers' mask-interface signature; ``config.invisiblelora`` is a _MaskSpec."""
+    spec = config.invisiblelora
+    query = spec.context.query  # [B, q] slot of every query token
     device = query.device
     b = torch.arange(batch_size, device=device)[:, None, None, None]
     h = torch.zeros(1, dtype=torch.long, device=device)[None, :, None, None]
@@ -47,10 +58,10 @@ def _row_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
     visible = mask_function(b, h, query[:, None, :, None], kv)
     if attention_mask is not None:
         visible = visible & attention_mask[:, None, None, kv_offset : kv_offset + kv_length]
-    if layout.window is not None and layout.prefix is None:  # standard decoding's cache keeps the last `window` keys
-        visible = visible & (kv > query[:, None, :, None] - layout.window)
+    if spec.window is not None and spec.context.prefix is None:  # standard decoding's cache keeps the last `window` keys
+        visible = visible & (kv > query[:, None, :, None] - spec.window)
     visible = visible.expand(batch_size, 1, q_length, kv_length)
-    if layout.implementation == "eager":  # eager attention adds the mask
+    if spec.implementation == "eager":  # eager attention adds the mask
         return torch.where(visible, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
     return visible
 
@@ -62,31 +73,20 @@ AttentionMaskInterface.register(ROW_MASKS, _row_mask)
 # group them (enable_gqa), which it does on the CPU only when there is no mask. With a mask torch's
 # CPU kernels give the same bits either way (tests/test_configurations.py checks it); skipping the
 # copy made compiled SmolLM2 passes at batch 16 11-22% cheaper (eager passes and batch 1: within
-# noise; docs/benchmarks.md), so our passes ask for it. Only our passes (a thread-local flag);
-# everything else gets Transformers' choice.
-_PASS = threading.local()
+# noise; docs/benchmarks.md), so our passes ask for it. Only our passes (the thread is running a
+# pass context); everything else gets Transformers' choice. Global: Transformers looks the
+# function up in its module at every attention call, with nothing of the call to tell passes apart.
 _stock_use_gqa = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
 
 
 def _use_gqa(attention_mask, key, value) -> bool:
-    if getattr(_PASS, "grouped", False) and key.device.type == "cpu" and key.shape[-1] == value.shape[-1]:
+    if in_pass() and key.device.type == "cpu" and key.shape[-1] == value.shape[-1]:
         return True
     return _stock_use_gqa(attention_mask, key, value)
 
 
 if _stock_use_gqa is not None:
     sdpa_attention.use_gqa_in_sdpa = _use_gqa
-
-
-@contextlib.contextmanager
-def grouped_kv():
-    """Within the block, this thread's SDPA attention reads grouped KV heads in place (see above)."""
-    before = getattr(_PASS, "grouped", False)
-    _PASS.grouped = True
-    try:
-        yield
-    finally:
-        _PASS.grouped = before
 
 
 def mask_makers(model, config) -> dict:
@@ -119,32 +119,31 @@ def prompt_positions(attention_mask: torch.Tensor | None, input_ids: torch.Tenso
 
 
 class RowLayout:
-    """Slot tables of a decoder's rows (see the module docstring) and the masks / positions of each pass.
+    """Slot tables of a decoder's rows (see the module docstring) and the masks / positions of each
+    pass, as its pass context (context.py) describes it.
 
     ``capacity`` rows of ``width`` slots; ``load`` fills the rows a prompt starts on.
     """
 
-    def __init__(self, model, capacity: int, width: int, device):
-        self.width = width
+    def __init__(self, model, capacity: int, width: int, device, context):
+        self.width, self.context = width, context
         self.valid = torch.ones(capacity, width, dtype=torch.bool, device=device)
         self.positions = torch.zeros(capacity, width, dtype=torch.long, device=device)
         text = model.config.get_text_config(decoder=True)
-        self.makers = mask_makers(model, text)
+        makers = mask_makers(model, text)
         kinds, kwargs = get_layer_types_and_kwargs(text)
         windows = {kind: kw.get("sliding_window") for kind, kw in zip(kinds, kwargs)}
-        # The window of the cache layers whose mask each maker makes (one maker: every layer's, the first layer's).
-        self.windows = {kind: windows.get(kind if kind is not None else kinds[0]) for kind in self.makers}
-        self.window = None  # of the mask being made
-        self.implementation = text._attn_implementation or "eager"
-        # A per-call copy of the config that names our mask interface: the model's own config and
-        # attention implementation stay untouched, and concurrent calls do not share it.
-        self.config = copy.copy(text)
-        self.config._attn_implementation_internal = ROW_MASKS
-        self.config.invisiblelora = self
+        implementation = text._attn_implementation or "eager"
+        self.makers = {}
+        for kind, make in makers.items():
+            # A copy of the config per mask that names our mask interface: the model's own config
+            # and attention implementation stay untouched, and concurrent calls do not share it.
+            # The window: of the cache layers whose mask this maker makes (one maker: the first layer's).
+            config = copy.copy(text)
+            config._attn_implementation_internal = ROW_MASKS
+            config.invisiblelora = _MaskSpec(context, windows.get(kind if kind is not None else kinds[0]), implementation)
+            self.makers[kind] = (make, config)
         self.dtype = model.dtype
-        self.query = None  # [b, q] query slots of the current pass
-        self.rows = None  # the rows it runs (None: all)
-        self.prefix = None  # L if it computes slots [0, q) as standard decoding's one call over slots [0, L) did
 
     def load(self, idx, prompt_mask, positions, last_used: list[int]) -> None:
         """Rows ``idx`` start on a prompt of P slots: its attention mask (None: all ones) and position
@@ -161,18 +160,12 @@ class RowLayout:
             table[i, last + 1 :] = table[i, last]
         self.valid[idx], self.positions[idx] = valid, table
 
-    def begin_pass(self, start: torch.Tensor, q: int, kv_len: int, prefix: int | None = None, rows=None):
-        """Masks (a tensor, or a dict by layer type) and position_ids [b, q] for a pass writing
-        ``q`` tokens per row from slot ``start[b]``, attending to the first ``kv_len`` slots.
-
-        ``rows``: the rows it runs (a subset; ``start`` is theirs); default all. ``prefix``: see __init__
-        (the prompt's pass: P; the whole-cache recompute of rotary.Recompute)."""
-        self.query = start[:, None] + torch.arange(q, device=start.device)
-        self.rows, self.prefix = rows, prefix
-        valid, positions = (self.valid, self.positions) if rows is None else (self.valid[rows], self.positions[rows])
-        embeds = torch.empty(start.shape[0], q, 0, dtype=self.dtype, device=start.device)
-        masks = {}
-        for kind, make in self.makers.items():
-            self.window = self.windows[kind]
-            masks[kind] = make(self.config, embeds, valid[:, :kv_len], cache=None)
-        return masks.get(None, masks), positions.gather(1, self.query.clamp(max=self.width - 1))
+    def inputs(self):
+        """Masks (a tensor, or a dict by layer type) and position_ids [b, q] of the pass the context
+        describes (its rows, query slots and kv_len)."""
+        p = self.context
+        rows = p.rows if isinstance(p.rows, torch.Tensor) else slice(0, p.start.shape[0])
+        valid, positions = self.valid[rows], self.positions[rows]
+        embeds = torch.empty(p.start.shape[0], p.q, 0, dtype=self.dtype, device=p.start.device)
+        masks = {kind: make(config, embeds, valid[:, : p.kv_len], cache=None) for kind, (make, config) in self.makers.items()}
+        return masks.get(None, masks), positions.gather(1, p.query.clamp(max=self.width - 1))

@@ -26,14 +26,14 @@ from .processors import process_scores
 GREEDY_BELOW = 1e-5
 
 
-def _idx(rows, which) -> list[int]:
+def _idx(batch, which) -> list[int]:
     """The row indices a pass runs: the first rows (a slice) or some (an index tensor)."""
-    return list(range(*which.indices(len(rows.plen_h)))) if isinstance(which, slice) else which.tolist()
+    return list(range(*which.indices(len(batch.plen_h)))) if isinstance(which, slice) else which.tolist()
 
 
-def _lengths(rows, idx, offset: int) -> list[int]:
+def _lengths(batch, idx, offset: int) -> list[int]:
     """The length of each row's context before position 0 of a pass (``offset`` drafts into a cycle)."""
-    return [rows.plen_h[r] + rows.gen_h[r] + offset for r in idx]
+    return [batch.plen_h[r] + batch.gen_h[r] + offset for r in idx]
 
 
 class GeneratePolicy:
@@ -42,17 +42,17 @@ class GeneratePolicy:
     def __init__(self, processors, do_sample: bool, generator=None):
         self.processors, self.do_sample, self.generator = processors, do_sample, generator
 
-    def scores(self, rows, which, logits, offset: int, target: bool = False):
-        idx = _idx(rows, which)
-        active = [i for i, r in enumerate(idx) if not rows.done_h[r]]
-        return process_scores(self.processors, rows.tokens[which], _lengths(rows, idx, offset), logits, active)
+    def scores(self, batch, which, logits, offset: int, target: bool = False):
+        idx = _idx(batch, which)
+        active = [i for i, r in enumerate(idx) if not batch.done_h[r]]
+        return process_scores(self.processors, batch.tokens[which], _lengths(batch, idx, offset), logits, active)
 
-    def pick(self, scores, rows, which, offset: int):
+    def pick(self, scores, batch, which, offset: int):
         if self.do_sample:
             return sample(scores, self.generator)
         return scores.argmax(-1), None
 
-    def accept(self, drafts, draft_probs, scores, rows, which):
+    def accept(self, drafts, draft_probs, scores, batch, which):
         if self.do_sample:
             return accept_sampling(drafts, draft_probs, scores, self.generator)
         return accept_greedy(drafts, scores)
@@ -116,21 +116,21 @@ class RequestPolicy:
             self.drawn[r] += 1
         return noise[position]
 
-    def scores(self, rows, which, logits, offset: int, target: bool = False):
-        idx = _idx(rows, which)
+    def scores(self, batch, which, logits, offset: int, target: bool = False):
+        idx = _idx(batch, which)
         scores = logits.float()
         n, q, v = scores.shape
-        live = [i for i, r in enumerate(idx) if not rows.done_h[r] and self.requests[r] is not None]
+        live = [i for i, r in enumerate(idx) if not batch.done_h[r] and self.requests[r] is not None]
         if target:
             for i in live:
                 if self.requests[idx[i]].logprobs is not None:
-                    self.kept[idx[i]] = (rows.gen_h[idx[i]], scores[i].log_softmax(-1))
+                    self.kept[idx[i]] = (batch.gen_h[idx[i]], scores[i].log_softmax(-1))
         for i in live:
             r = idx[i]
             if self.processors[r]:  # each position's context: the request's prompt and output before it
-                start = rows.plen_h[r] - len(self.requests[r].prompt)
-                end = rows.plen_h[r] + rows.gen_h[r] + offset
-                scores[i] = torch.cat([_apply(self.processors[r], rows.tokens[r, start:end + t][None], scores[i, t][None])
+                start = batch.plen_h[r] - len(self.requests[r].prompt)
+                end = batch.plen_h[r] + batch.gen_h[r] + offset
+                scores[i] = torch.cat([_apply(self.processors[r], batch.tokens[r, start:end + t][None], scores[i, t][None])
                                        for t in range(q)])
         groups = {}
         for i in live:
@@ -147,8 +147,8 @@ class RequestPolicy:
             sub = _apply(warpers, None, scores[members].reshape(-1, v)).log_softmax(-1).reshape(len(members), q, v)
             for j, i in enumerate(members):
                 r = idx[i]
-                start = rows.gen_h[r] + offset
-                self.noise[r] = {p: g for p, g in self.noise[r].items() if p >= rows.gen_h[r]}  # committed: not needed
+                start = batch.gen_h[r] + offset
+                self.noise[r] = {p: g for p, g in self.noise[r].items() if p >= batch.gen_h[r]}  # committed: not needed
                 sub[j] += torch.stack([self._gumbel(r, start + t, v) for t in range(q)])
             scores[members] = sub
         return scores
@@ -157,19 +157,19 @@ class RequestPolicy:
         """Row r's committed ``tokens`` (generated positions first, first + 1, ...): per token its
         raw log-probability and the ``top`` most likely (token id, log-probability) pairs."""
         start, logprobs = self.kept[r]
-        rows = logprobs[first - start : first - start + len(tokens)]
-        chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
-        best = rows.topk(top, -1) if top else None
+        span = logprobs[first - start : first - start + len(tokens)]
+        chosen = span.gather(1, torch.tensor(tokens, device=span.device)[:, None])[:, 0]
+        best = span.topk(top, -1) if top else None
         chosen = chosen.tolist()
         if best is None:
             return [(c, []) for c in chosen]
         values, ids = best.values.tolist(), best.indices.tolist()
         return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids, values)]
 
-    def pick(self, scores, rows, which, offset: int):
+    def pick(self, scores, batch, which, offset: int):
         return scores.argmax(-1), None
 
-    def accept(self, drafts, draft_probs, scores, rows, which):
+    def accept(self, drafts, draft_probs, scores, batch, which):
         return accept_greedy(drafts, scores)
 
 

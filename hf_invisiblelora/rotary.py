@@ -62,13 +62,13 @@ def _each(out, f):
 class StepRotary:
     """Per-slot rotary embeddings for the length-dependent rotary modules of one call.
 
-    ``layout``: the call's RowLayout (its current pass's query slots and the position table).
-    ``mine()``: whether the running thread is this call's (other threads get the module as is).
+    ``layout``: the call's RowLayout (the position table; its pass context: the pass's rows, query
+    slots and prefix, and whether the running thread is the call's: other threads get the module as is).
     """
 
-    def __init__(self, model, layout, mine):
+    def __init__(self, model, layout):
         self.modules = [m for m in model.modules() if length_dependent(m)]
-        self.layout, self.mine = layout, mine
+        self.layout, self.context = layout, layout.context
         self.originals = {}  # module -> its forward before installation
         self.after_prefill = {}  # module -> state after the prompt's step
         self.calls = {}  # module -> (x, extra args, kwargs) of its calls in a pass (e.g. one per layer type)
@@ -80,7 +80,7 @@ class StepRotary:
         start = {m: _snapshot(m) for m in self.modules}
         self.originals = {m: m.forward for m in self.modules}
         routed = {m: (lambda x, position_ids, *args, _m=m, _f=m.forward, **kw: (
-            self._forward(_m, x, position_ids, *args, **kw) if self.mine() else _f(x, position_ids, *args, **kw)))
+            self._forward(_m, x, position_ids, *args, **kw) if self.context.mine() else _f(x, position_ids, *args, **kw)))
             for m in self.modules}
         try:
             with forwards(routed):
@@ -91,17 +91,16 @@ class StepRotary:
             raise
 
     def _forward(self, module, x, position_ids, *args, **kwargs):
-        layout, original = self.layout, self.originals[module]
+        layout, p, original = self.layout, self.context, self.originals[module]
         self.calls.setdefault(module, {})[(args, tuple(sorted(kwargs.items())))] = x
-        rows = slice(None) if layout.rows is None else layout.rows
-        if layout.prefix is not None:  # standard decoding's one call over slots [0, prefix)
+        rows = slice(None) if p.rows is None else p.rows
+        if p.prefix is not None:  # standard decoding's one call over slots [0, prefix)
             if module in self.after_prefill:
                 _restore(module, self.after_prefill[module])
-            out = original(x, layout.positions[:, : layout.prefix], *args, **kwargs)
+            out = original(x, layout.positions[:, : p.prefix], *args, **kwargs)
             self.after_prefill.setdefault(module, _snapshot(module))  # the first such call is the prompt's
-            q = layout.query.shape[1]
-            return _each(out, lambda t: t[rows, :q])
-        slots = layout.query  # [b, q]
+            return _each(out, lambda t: t[rows, : p.q])
+        slots = p.query  # [b, q]
         result = None
         for j in slots.unique().tolist():
             _restore(module, self.after_prefill[module])
@@ -152,14 +151,14 @@ class Recompute:
     slots [0, R) are first recomputed as standard decoding's recompute pass computed them
     (``before_verify``)."""
 
-    def __init__(self, slot: int, batch: int):
+    def __init__(self, slot: int, rows: int):
         self.slot = slot
-        self.done = [False] * batch
+        self.done = [False] * rows
 
-    def cap(self, rows, hi: int, n, next_token, drafts):
+    def cap(self, batch, hi: int, n, next_token, drafts):
         """Accepted drafts ``n`` and next tokens of rows 0..hi-1, cut so that rows not yet recomputed
         commit only tokens predicted from queries before R (an accepted draft is itself the next token)."""
-        start = rows.ends(hi) - 1
+        start = batch.ends(hi) - 1
         pending = torch.tensor([not d for d in self.done[:hi]], device=n.device)
         limit = torch.where(pending, (self.slot - 1 - start).clamp(min=0), n).minimum(n)
         cut = limit < n
@@ -167,12 +166,12 @@ class Recompute:
             next_token = torch.where(cut, drafts.gather(1, limit.clamp(max=drafts.shape[1] - 1)[:, None])[:, 0], next_token)
         return limit, next_token
 
-    def before_verify(self, fwd, rows) -> None:
-        at = [r for r in rows.active if not self.done[r] and rows.plen_h[r] + rows.gen_h[r] - 1 == self.slot]
+    def before_verify(self, fwd, batch) -> None:
+        at = [r for r in batch.active if not self.done[r] and batch.plen_h[r] + batch.gen_h[r] - 1 == self.slot]
         if not at:
             return
-        idx = torch.tensor(at, device=rows.tokens.device)
+        idx = torch.tensor(at, device=batch.tokens.device)
         start = torch.zeros(len(at), dtype=torch.long, device=idx.device)
-        fwd(rows.tokens[idx, : self.slot], start, self.slot, keep=1, prefix=self.slot + 1, rows=idx)
+        fwd(batch.tokens[idx, : self.slot], start, self.slot, keep=1, prefix=self.slot + 1, rows=idx)
         for r in at:
             self.done[r] = True

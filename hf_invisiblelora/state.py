@@ -3,9 +3,11 @@
     state_of(peft_model).stats        # the last call's DecodingStats
     state_of(peft_model).clear()      # drop it all (the adapter bank, the gate's measurements, compiled passes)
 
-One call at a time per model: ``state.lock`` serializes InvisibleLoRA calls on the same model
-(the bank, the gate's memory and the compiled buckets are per model), and ``state.owner`` is the
-thread of the call in progress, so other threads running the model meanwhile get it as it is.
+One call at a time per model: ``state.hold()`` takes ``state.lock``, which serializes
+InvisibleLoRA calls on the same model (the bank, the gate's memory and the compiled buckets are
+per model; a generate() call or a running serving engine), and makes ``state.owner`` the thread
+of the call in progress: the one owner check (``mine``) that every routed layer reads through
+the pass context (context.py), so other threads running the model meanwhile get it as it is.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ class ModelState:
     gate: GateMemory = field(default_factory=GateMemory)
     buckets: dict = field(default_factory=dict)  # forward.Bucket per (device, dtype, rows, cache length)
     stats: object = None  # stats.DecodingStats of the last call
-    drafter: dict = field(default_factory=dict)  # drafter.py: token counts, derived weight copies
-    layers: tuple | None = None  # (peft_config items, [(name, LoRA layer)], [every module]): checks._walk
+    drafter: dict = field(default_factory=dict)  # drafters.py: token counts, derived weight copies
+    layers: tuple | None = None  # (peft_config items, [(name, LoRA layer)], [every module]): lora._walk
 
     def clear(self) -> None:
         """Forget the bank, the gate's measurements, the compiled passes, the last stats and the drafter's data."""
@@ -37,6 +39,19 @@ class ModelState:
 
     def mine(self) -> bool:
         return self.owner == threading.get_ident()
+
+    @contextlib.contextmanager
+    def hold(self):
+        """The block runs one InvisibleLoRA call on the model (see the module docstring)."""
+        if self.mine():
+            raise RuntimeError("InvisibleLoRA was called from inside another InvisibleLoRA call on the same model "
+                               "(a streamer, processor or criterion?): calls on one model run one at a time.")
+        with self.lock:
+            self.owner = threading.get_ident()
+            try:
+                yield self
+            finally:
+                self.owner = None
 
 
 def state_of(model) -> ModelState:

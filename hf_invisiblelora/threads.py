@@ -1,4 +1,5 @@
-"""How many threads torch's CPU ops use in our commands (demo, zoo training, notebook, server).
+"""How many threads torch's CPU ops use in our commands (demo, zoo training, notebook, server),
+and the OpenMP threads a thread keeps.
 
 torch's default is one thread per CPU. On a machine where other work runs, that oversubscribes
 it: OpenMP's threads wait for each other at every parallel region while the other work holds a
@@ -10,6 +11,7 @@ a second; at least one), unless told (``--threads`` or ``OMP_NUM_THREADS``).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 
@@ -54,3 +56,17 @@ def set_threads(requested: int | None = None) -> str:
         why = f"the free ones of {cpus} CPUs, {busy:.1f} busy with other work; OMP_NUM_THREADS or --threads choose"
     torch.set_num_threads(requested)
     return f"torch uses {requested} thread{'s' if requested > 1 else ''} ({why})"
+
+
+def release_openmp_threads() -> None:
+    """Free the calling thread's OpenMP worker threads (they come back when it next runs a parallel op).
+
+    Every thread that runs torch ops has its own OpenMP team. Once the teams hold more threads than
+    there are CPUs, libgomp stops spinning between parallel regions and each region waits for a
+    futex wake-up: the serving engine's thread decoded about 45% slower (2 CPUs, SmolLM2) when the
+    thread that loaded the model kept its team. Other threads running torch's parallel ops while the
+    engine serves slow it down the same way. (The calling thread's team only: nothing global changes.)"""
+    try:
+        ctypes.CDLL(None).omp_pause_resource_all(1)  # omp_pause_soft; OpenMP 5.0 (libgomp, libomp)
+    except (AttributeError, OSError, TypeError):  # no OpenMP runtime in the global namespace
+        pass

@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from hf_invisiblelora.checks import lora_layers
+from hf_invisiblelora.lora import lora_layers
 from hf_invisiblelora.rotary import length_dependent
 from tiny import EOS, PAD, prompts, with_adapters
 

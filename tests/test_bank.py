@@ -1,5 +1,7 @@
 """Adapter bank: whole-model logits through bank + kernels equal PEFT's mixed-batch forward."""
 
+import contextlib
+
 import pytest
 import torch
 from peft import LoraConfig
@@ -7,6 +9,7 @@ from peft import LoraConfig
 from hf_invisiblelora import bank as bank_module
 from hf_invisiblelora.bank import get_bank
 from hf_invisiblelora.checks import check_model
+from hf_invisiblelora.context import PassContext
 from tiny import COMMON, tiny_peft
 
 VOCAB = 101
@@ -35,10 +38,26 @@ def peft_logits(pm, ids, names):
         return pm(ids, adapter_names=names).logits
 
 
+DRAFT = object()  # a drafter: its passes have LoRA off
+
+
+@contextlib.contextmanager
+def installed(bank):
+    context = PassContext(lambda: True)
+    with torch.no_grad(), bank.installed(context):
+        yield context
+
+
+def one_pass(context, bank, slots, rows: int):
+    """The block is a pass of ``rows`` rows: LoRA on with the rows' adapter ``slots``, or a draft pass (None)."""
+    bank.begin_pass()
+    return context.running(torch.zeros(rows, dtype=torch.long), 1, 1, adapters=slots,
+                           drafter=DRAFT if slots is None else None)
+
+
 def bank_logits(pm, ids, names):
     bank = get_bank(pm)
-    with torch.no_grad(), bank.installed():
-        bank.set_batch(bank.slots(names) if names is not None else None)
+    with installed(bank) as context, one_pass(context, bank, None if names is None else bank.slots(names), len(ids)):
         return pm(ids).logits
 
 
@@ -72,19 +91,23 @@ def test_cache_survives_draft_passes_and_batches_change():
     pm = build()
     bank = get_bank(pm)
     ids = torch.randint(0, VOCAB, (2, 1))
-    with torch.no_grad(), bank.installed():
-        bank.set_batch(bank.slots(["math", "code"]))
-        pm(ids)
-        first = bank._meta_for(2)
-        bank.set_batch(None)  # a draft pass
-        pm(ids)
-        bank.set_batch(bank.slots(["__base__", "__base__"]))
-        pm(ids)
-        bank.set_batch(bank.slots(["code", "math"]))
-        assert bank._meta_for(2).cache is first.cache
-        assert_same(pm(ids).logits, peft_logits(pm, ids, ["code", "math"]))
-        bank.set_batch(bank.slots(["chat", "math"]))
-        assert_same(pm(ids).logits, peft_logits(pm, ids, ["chat", "math"]))
+    with installed(bank) as context:
+        slots = bank.slots(["math", "code"])
+        with one_pass(context, bank, slots, 2):
+            pm(ids)
+        first = bank._meta_for(slots, 2)
+        with one_pass(context, bank, None, 2):  # a draft pass
+            pm(ids)
+        with one_pass(context, bank, bank.slots(["__base__", "__base__"]), 2):
+            pm(ids)
+        slots = bank.slots(["code", "math"])
+        assert bank._meta_for(slots, 2).cache is first.cache
+        with one_pass(context, bank, slots, 2):
+            logits = pm(ids).logits
+        assert_same(logits, peft_logits(pm, ids, ["code", "math"]))  # outside a pass: PEFT's own layers
+        with one_pass(context, bank, bank.slots(["chat", "math"]), 2):
+            logits = pm(ids).logits
+        assert_same(logits, peft_logits(pm, ids, ["chat", "math"]))
 
 
 def test_get_bank_follows_add_delete_and_scale():
@@ -124,17 +147,17 @@ def test_installed_restores_forwards_even_on_error():
     pm = build(adapters={"math": ADAPTERS["math"]})
     bank = get_bank(pm)
     layer = next(iter(bank.layers))
-    with pytest.raises(RuntimeError, match="boom"), bank.installed():
+    with pytest.raises(RuntimeError, match="boom"), installed(bank):
         assert "forward" in layer.__dict__
         raise RuntimeError("boom")
-    assert "forward" not in layer.__dict__ and bank._rows is None and not bank._metas
+    assert "forward" not in layer.__dict__ and bank.context is None
 
 
 def test_an_input_that_is_not_the_batch_tokens_is_reported():
     pm = build(adapters={"math": ADAPTERS["math"]})
     bank = get_bank(pm)
-    with torch.no_grad(), bank.installed(), pytest.raises(ValueError, match="got 5 tokens for 2 rows"):
-        bank.set_batch(bank.slots(["math", "math"]))
+    with installed(bank) as context, one_pass(context, bank, bank.slots(["math", "math"]), 2), \
+            pytest.raises(ValueError, match="got 5 tokens for 2 rows"):
         pm.base_model.model.model.layers[0].self_attn.q_proj(torch.zeros(5, COMMON["hidden_size"], dtype=torch.float64))
 
 
@@ -173,8 +196,7 @@ def test_siblings_share_one_shrink_only_for_the_same_input(monkeypatch, path):
     x1, x2 = x1[None].expand(2, 3, -1).contiguous(), x2[None].expand(2, 3, -1).contiguous()
     with torch.no_grad():
         expected = attn.q_proj(x1, adapter_names=names), attn.k_proj(x2, adapter_names=names)
-        with bank.installed():
-            bank.set_batch(bank.slots(names))
+        with installed(bank) as context, one_pass(context, bank, bank.slots(names), 2):
             got = attn.q_proj(x1), attn.k_proj(x2)
     assert_same(got[0], expected[0])
     assert_same(got[1], expected[1])
@@ -197,9 +219,9 @@ def test_greedy_decoding_matches_peft():
     with torch.no_grad():
         expected = greedy(lambda ids, cache: pm(ids, cache=cache, use_cache=True, adapter_names=names))
         bank = get_bank(pm)
-        with bank.installed():
+        with installed(bank) as context:
             def bank_step(ids, cache):
-                bank.set_batch(bank.slots(names))
-                return pm(ids, cache=cache, use_cache=True)
+                with one_pass(context, bank, bank.slots(names), len(names)):
+                    return pm(ids, cache=cache, use_cache=True)
             got = greedy(bank_step)
     assert torch.equal(got, expected)

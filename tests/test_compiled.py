@@ -52,6 +52,27 @@ def test_compiled_equals_eager_and_does_not_recompile(model):
     assert torch.equal(out2.sequences, generate(model, ids2, mask2, rows2))
 
 
+def test_compiled_draft_passes_run_the_drafter(model):
+    """compile=True with a drafter option: the compiled draft pass is the drafter's (its own pass,
+    keyed by its options). A draft vocabulary of one token the target never emits: every draft is
+    rejected; the full vocabulary: drafts are accepted. (The compiled passes used to be built
+    without the drafter: its options were installed but never switched on, so drafts came from the
+    whole head, while the gate recorded costs under the drafter's name.)"""
+    ids, mask = prompts([5, 9, 3, 7, 9, 1, 6])
+    stock = generate(model, ids, mask, ROWS)
+    unseen = next(t for t in range(model.config.vocab_size) if t not in set(stock[:, ids.shape[1]:].flatten().tolist()))
+    kw = dict(invisible_lora=True, gate="always", num_draft_tokens=1, return_dict_in_generate=True, compile=True)
+    for vocab, accepted in (([unseen], False), (list(range(model.config.vocab_size)), True)):
+        out = generate(model, ids, mask, ROWS, draft_vocab=vocab, **kw)
+        assert torch.equal(out.sequences, stock)
+        assert sum(out.stats.drafted) > 0 and (sum(out.stats.accepted) > 0) == accepted
+    (bucket,) = [b for k, b in state_of(model).buckets.items() if k[2] == 8]
+    assert {key[1] for key in bucket.passes} >= {"/vocab1", f"/vocab{model.config.vocab_size}"}
+    before = graphs_compiled()
+    generate(model, ids, mask, ROWS, draft_vocab=[unseen], **kw)  # another call, another drafter object
+    assert graphs_compiled() == before
+
+
 def test_compiled_passes_follow_adapter_changes(model):
     """The compiled graphs read the adapter bank's current tensors: rescaling an adapter takes effect."""
     ids, mask = prompts([4, 6, 5])
@@ -95,7 +116,8 @@ def test_warm_up_builds_every_pass_of_its_buckets(model):
     warm_up(model, ["s", "b"], batch_size=3, max_length=20, num_draft_tokens=2)
     assert graphs_compiled() - before == 4  # draft, plain, verify of 2 and 3 tokens
     (bucket,) = state_of(model).buckets.values()
-    assert sorted(bucket.passes) == [(1, False, None), (1, True, (2, 8)), (2, True, (2, 8)), (3, True, (2, 8))]
+    # (tokens per row, drafter key or None for LoRA on, adapter and rank buckets): the base model's draft pass.
+    assert set(bucket.passes) == {(1, "", None), (1, None, (2, 8)), (2, None, (2, 8)), (3, None, (2, 8))}
     before = graphs_compiled()
     runs = []
     for key, fn in bucket.passes.items():
@@ -152,7 +174,7 @@ def test_compile_options(model):
     state_of(model).clear()
     generate(model, ids, mask, ["s", "b"], invisible_lora=True)
     assert not state_of(model).buckets
-    assert get_bank(model)._rows is None and not get_bank(model)._metas
+    assert get_bank(model).context is None
 
 
 def test_sliding_window_model_compiled():

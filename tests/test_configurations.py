@@ -21,7 +21,7 @@ from transformers import (
 )
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora.checks import lora_layers
+from hf_invisiblelora.lora import lora_layers
 from tiny import ADAPTERS, COMMON, PAD, prompts, tiny_peft, with_adapters
 
 ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]
@@ -277,6 +277,31 @@ def test_concurrent_calls_on_one_model():
     assert torch.equal(stock(model, ids, mask, max_new_tokens=10), ref)
 
 
+@pytest.mark.parametrize("backend", ["bank", "peft"])
+def test_the_model_run_between_passes_is_the_model_as_it_is(backend):
+    """Our routing acts only inside the call's passes (the pass context): a processor running the
+    model on the call's own thread, between passes, gets the model's own outputs (with the bank's
+    routing left on between passes, it would run the last pass's rows' adapters, or fail on its
+    row count)."""
+    from transformers import LogitsProcessor
+
+    model = tiny_peft("llama", strength=0.6)
+    ids, mask = prompts(LENGTHS)
+    probe = torch.tensor([[3, 5, 7]])
+    with torch.no_grad():
+        expected = model(probe).logits
+    seen = []
+
+    class Probe(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            seen.append(model(probe).logits)
+            return scores
+
+    out = ours(model, ids, mask, max_new_tokens=6, logits_processor=[Probe()], lora_backend=backend)
+    assert torch.equal(out, stock(model, ids, mask, max_new_tokens=6))  # the probe leaves the scores as they are
+    assert seen and all(torch.equal(s, expected) for s in seen)
+
+
 # Crashes that must not happen.
 def test_inside_inference_mode():
     model = tiny_peft("llama", strength=0.6)
@@ -343,7 +368,7 @@ def test_alibi_models_are_refused():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_sdpa_grouped_heads_give_the_same_bits(dtype):
-    """Our passes ask SDPA to read grouped KV heads in place (layout.grouped_kv) where Transformers
+    """Our passes ask SDPA to read grouped KV heads in place (layout._use_gqa, within a pass context) where Transformers
     would copy them with repeat_kv: on the CPU both give the same bits, masked rows included."""
     g = torch.Generator().manual_seed(0)
     for b, heads, groups, q, n in ((16, 9, 3, 1, 128), (3, 8, 2, 4, 37), (1, 4, 1, 6, 300), (2, 6, 3, 64, 64)):

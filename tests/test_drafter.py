@@ -72,8 +72,7 @@ def test_token_counts_follow_calls():
 
 
 @pytest.mark.parametrize("kw, message", [(dict(draft_vocab=0), "draft_vocab"), (dict(draft_vocab="many"), "draft_vocab"),
-                                         (dict(draft_dtype=torch.int8), "draft_dtype"),
-                                         (dict(draft_vocab=8, compile=True), "compile=False")])
+                                         (dict(draft_dtype=torch.int8), "draft_dtype")])
 def test_bad_options(kw, message):
     model = tiny_peft("llama", strength=0.6)
     ids, mask = prompts([4, 6])

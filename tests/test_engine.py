@@ -50,6 +50,58 @@ def test_requests_decode_as_standalone_generate(model, k, gate):
     assert engine.running() == 0 and engine.metrics["requests"] == 11
 
 
+@pytest.mark.parametrize("options", [dict(draft_vocab=[7]), dict(draft_dtype=torch.bfloat16),
+                                     dict(draft_vocab=24, draft_dtype=torch.bfloat16)])
+def test_drafter_options_keep_the_output(model, options):
+    """The engine's drafter takes generate()'s options (the same assembly, session.py): output as
+    standalone generate(); a vocabulary of one token no request emits gets no draft accepted."""
+    g = torch.Generator().manual_seed(3)
+    jobs = [(random_prompt(g, 2 + i), NAMES[i % 4]) for i in range(4)]
+    expected = [standalone(model, p, a, 6) for p, a in jobs]
+    if options.get("draft_vocab") == [7]:
+        assert all(7 not in e for e in expected)
+    if isinstance(options.get("draft_vocab"), int):  # the most frequent tokens of earlier calls
+        with pytest.raises(ValueError, match="there were none"):
+            Engine(tiny_peft("llama", strength=0.6), **options)
+        p, a = jobs[0]
+        model.generate(input_ids=torch.tensor([p]), adapter_names=[a], max_new_tokens=6, invisible_lora=True)
+    engine = Engine(model, max_batch=4, max_len=64, num_draft_tokens=2, gate="always", **options).start()
+    try:
+        handles = [engine.submit(Request(p, adapter=a, max_tokens=6, temperature=0)) for p, a in jobs]
+        assert [h.result(60) for h in handles] == expected
+        m = engine.metrics_snapshot()
+    finally:
+        engine.stop()
+    assert sum(m["drafted"].values()) > 0
+    assert (sum(m["accepted"].values()) == 0) == (options.get("draft_vocab") == [7])
+
+
+def test_a_request_state_follows_it(model):
+    """A Handle's status and row: waiting in the queue, decoding in a row (seen by its own chunks),
+    finished with no row; a second request waits while the only row is taken."""
+    from hf_invisiblelora.engine import Status
+
+    g = torch.Generator().manual_seed(9)
+    engine = Engine(model, max_batch=1, max_len=64, num_draft_tokens=2, gate="always").start()
+    seen, handles = [], []
+
+    def on_tokens(tokens):
+        first, second = handles
+        seen.append((first.status, first.row, second.status, second.row))
+
+    try:
+        with engine._wake:  # both queued before the engine's next admission
+            handles.append(engine.submit(Request(random_prompt(g, 4), max_tokens=5, temperature=0, on_tokens=on_tokens)))
+            handles.append(engine.submit(Request(random_prompt(g, 3), max_tokens=4, temperature=0)))
+            assert [h.status for h in handles] == [Status.WAITING, Status.WAITING]
+        for h in handles:
+            h.result(60)
+    finally:
+        engine.stop()
+    assert seen and all(s == (Status.DECODING, 0, Status.WAITING, None) for s in seen)
+    assert [(h.status, h.row, h.finish_reason) for h in handles] == [(Status.FINISHED, None, "length")] * 2
+
+
 def test_eos_finishes_a_request_early(model):
     g = torch.Generator().manual_seed(5)
     prompt = random_prompt(g, 4)
@@ -313,8 +365,8 @@ def quiet(engine, timeout=30):
         assert time.monotonic() < deadline, "the engine did not go idle"
         time.sleep(0.005)
     decoder = engine._decoder
-    assert all(decoder.rows.done_h) and decoder.names == [None] * engine.max_batch
-    assert decoder.policy.requests == [None] * engine.max_batch and engine._handles == [None] * engine.max_batch
+    assert all(decoder.batch.done_h) and decoder.names == [None] * engine.max_batch
+    assert decoder.policy.requests == [None] * engine.max_batch and engine._in_row == [None] * engine.max_batch
 
 
 def test_requests_admitted_together_fit_their_rows(model, monkeypatch):
@@ -473,7 +525,7 @@ def evictions(monkeypatch, engine):
     seen, delete = [], engine.model.delete_adapter
 
     def spy(name):
-        seen.append((name, {h.request.adapter for h in engine._handles if h is not None},
+        seen.append((name, {h.request.adapter for h in engine._in_row if h is not None},
                      {h.request.adapter for h in engine._waiting}))
         return delete(name)
 

@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora import decoding, layout
+from hf_invisiblelora import decoding, engine as engine_module, layout
 from hf_invisiblelora.engine import Engine, Request
+from hf_invisiblelora.scheduling import prefill_groups
 from tiny import EOS, tiny_peft
 
 EXAMPLES = int(os.environ.get("ENGINE_PROPERTY_EXAMPLES", 50))
@@ -131,10 +132,10 @@ def test_request_mixes_decode_exactly(mix):
     engine_kw, specs, fault = mix
     engine = Engine(model(), **engine_kw).start()
     handles, splits, checked = [], [], []
-    groups = engine._groups
-    engine._groups = lambda joining: splits.append(len(out := groups(joining))) or out
+    groups = engine_module.prefill_groups
     try:
-        with injected(fault):
+        with injected(fault), mock.patch.object(engine_module, "prefill_groups",
+                                                lambda *a: splits.append(len(out := groups(*a))) or out):
             waves = []
             for spec in specs:
                 if spec.later or not waves:
@@ -165,7 +166,7 @@ def test_request_mixes_decode_exactly(mix):
             assert engine.alive and engine.running() == 0 and engine.queue_length() == 0
             wait_for(lambda: engine._decoder is not None)  # built on the engine's thread as it starts
             decoder = engine._decoder
-            assert all(decoder.rows.done_h) and decoder.names == [None] * engine.max_batch
+            assert all(decoder.batch.done_h) and decoder.names == [None] * engine.max_batch
             assert decoder.policy.requests == [None] * engine.max_batch
             m = engine.metrics_snapshot()
             if fault is not None:  # the engine serves on: a new request decodes exactly
@@ -237,15 +238,14 @@ def fewest_groups(items, room):
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(room=st.integers(2, 20), data=st.data())
 def test_prefill_groups_fit_and_are_fewest(room, data):
-    """Engine._groups: a partition of the joining requests, each group in FIFO order and in the
+    """scheduling.prefill_groups: a partition of the joining requests, each group in FIFO order and in the
     order of its first request, every row fitting beside the group's longest prompt, and as few
     groups as any partition whose rows fit."""
     request = st.integers(1, room - 1).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, room - n)))
     items = data.draw(st.lists(request, min_size=1, max_size=6))  # (prompt length, max_tokens), each valid
     joining = [(r, SimpleNamespace(request=SimpleNamespace(prompt=[2] * n, max_tokens=m)))
                for r, (n, m) in enumerate(items)]
-    fake = SimpleNamespace(max_len=room + 3, num_draft_tokens=2)  # room = max_len - K - 1
-    groups = Engine._groups(fake, joining)
+    groups = prefill_groups(joining, room)
     flat = [rh for g in groups for rh in g]
     assert sorted(r for r, _ in flat) == list(range(len(items)))
     assert all([r for r, _ in g] == sorted(r for r, _ in g) for g in groups)

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora.checks import lora_layers
+from hf_invisiblelora.lora import lora_layers
 from tiny import PAD, tiny_peft
 
 EXAMPLES = int(os.environ.get("PROPERTY_EXAMPLES", 150))  # more for a longer search

@@ -9,7 +9,7 @@ import os
 
 from starlette.concurrency import run_in_threadpool
 
-from ..checks import BASE
+from ..lora import BASE
 from ..engine import AdapterBusy, AdapterExists, AdapterUnsupported, LastAdapter, NotRunning, UnknownAdapter
 from .protocol import ApiError, bad, json_body, show
 

@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: no bound)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="the most tokens drafted per cycle (K)")
     p.add_argument("--gate", default="auto", choices=("auto", "always", "never"))
+    p.add_argument("--draft-dtype", choices=("bfloat16", "float16"), help="the drafter's linear layers in this dtype")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: OMP_NUM_THREADS, else the free CPUs)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -148,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-body-bytes must be >= 1 and --shutdown-timeout >= 0")
     if any(v is not None and v < 1 for v in (args.max_loras, args.max_cpu_loras)):
         p.error("--max-loras and --max-cpu-loras must be >= 1")
+
+    import torch
 
     from ..engine import Engine
     from ..threads import set_threads
@@ -184,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: an adapter is named like the base model ({model_id!r}); use --served-model-name")
     engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, num_draft_tokens=args.num_draft_tokens,
                     gate=args.gate, max_queue=args.max_queue, max_loras=args.max_loras,
-                    max_cpu_loras=args.max_cpu_loras, adapter_paths=adapter_paths).start()
+                    max_cpu_loras=args.max_cpu_loras, adapter_paths=adapter_paths,
+                    draft_dtype=getattr(torch, args.draft_dtype) if args.draft_dtype else None).start()
     lora_roots = [os.path.realpath(root) for root in args.lora_root]
     server = Server(engine, tokenizer, model_id, root, adapter_paths, api_key=args.api_key,
                     runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,

@@ -10,7 +10,7 @@ import uuid
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from ..checks import BASE
+from ..lora import BASE
 from ..engine import NotRunning, PromptTooLong, QueueFull, UnknownAdapter
 from .bridge import ClientGone, Completion, Job
 from .protocol import ApiError, Sampling, bad, internal_error, json_body, not_found, show

@@ -1,0 +1,184 @@
+"""Drafters: what proposes the tokens the LoRA-on verify pass checks.
+
+A drafter's tokens are proposals; the verify pass decides what is committed, so any drafter
+keeps the output exact and only changes how many drafts are accepted (the gate measures both:
+costs and acceptance are kept per drafter ``key``). The protocol (``Drafter``):
+
+    drafter.key                                  the gate's key for its costs and acceptance
+    with drafter.installed(context): ...         whatever it routes in the model, for one call
+    drafts, probs = drafter.propose(fwd, batch, hi, k, policy)
+                                                 up to k tokens for rows 0..hi-1 (written into
+                                                 batch.tokens) and the policy's draft
+                                                 probabilities (speculative sampling) or None
+    drafter.learn(batch, hi, accepted)           after each commit: accepted drafts per row
+
+``BaseModelDrafter``, the first implementation, is the shared base model itself (LoRA off),
+optionally made cheaper. A low-bit copy of the base, layer skipping, a small separate model or
+an EAGLE-style head (which reads the verify pass's hidden states) are each another class.
+
+The base model's options, for its passes only:
+
+- ``vocab``: the drafter's output head restricted to a subset of the vocabulary (the tokens seen
+  most often in the model's prompts and outputs so far, plus those of the current prompts; or a
+  given list). Its logits for other tokens are the dtype's minimum, so it never proposes them;
+  with sampling the draft distribution lives on the subset and speculative sampling stays exact.
+  On a model whose head is a large part of its weights (Gemma 3: a 262k vocabulary) a draft pass
+  then reads far fewer bytes.
+- ``dtype``: the drafter's linear layers run with weights in a lower precision (bfloat16), where
+  the CPU has fast kernels for them (AMX / AVX-512 BF16); activations are cast at each layer.
+
+Installed for one call; the forwards act only in its draft passes (the pass context, context.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from .state import forwards
+
+COUNTS = "token_counts"  # the model state's key: how often each token id was seen
+
+
+def observe(state, ids: torch.Tensor, vocab_size: int) -> None:
+    """Count the token ids of prompts and outputs (the draft vocabulary follows them)."""
+    counts = state.drafter.get(COUNTS)
+    if counts is None:
+        counts = state.drafter[COUNTS] = torch.zeros(vocab_size, dtype=torch.long)
+    ids = ids.reshape(-1).cpu()
+    counts += torch.bincount(ids[(ids >= 0) & (ids < vocab_size)], minlength=vocab_size)
+
+
+def vocabulary(state, size: int, prompt_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The ``size`` most frequent tokens seen so far, and every token of the prompts (sorted ids)."""
+    counts = state.drafter.get(COUNTS)
+    ids = prompt_ids.reshape(-1).cpu()
+    ids = ids[(ids >= 0) & (ids < vocab_size)]
+    if counts is not None:
+        seen = counts.nonzero().squeeze(1)
+        top = seen[counts[seen].argsort(descending=True)[:size]]
+        ids = torch.cat([ids, top])
+    return ids.unique()
+
+
+def check_vocabulary(ids, inner) -> torch.Tensor:
+    """A draft vocabulary given as token ids, validated against the model's output head: sorted unique ids."""
+    vocab_size = _base(inner.get_output_embeddings()).weight.shape[0]
+    try:
+        t = torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"draft_vocab must be a list of integer token ids, got {type(ids).__name__}.") from None
+    if t.dim() != 1 or t.numel() == 0 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"draft_vocab must be a non-empty 1-D list of integer token ids, got {t.numel()} values "
+                         f"of {t.dtype} in {t.dim()} dimension(s).")
+    if int(t.min()) < 0 or int(t.max()) >= vocab_size:
+        raise ValueError(f"draft_vocab holds token ids outside the model's vocabulary [0, {vocab_size}): "
+                         f"from {int(t.min())} to {int(t.max())}.")
+    return t.long().cpu().unique()
+
+
+class Drafter(Protocol):
+    key: str
+
+    def installed(self, context): ...
+
+    def propose(self, fwd, batch, hi: int, k: int, policy) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def learn(self, batch, hi: int, accepted: list[int]) -> None: ...
+
+
+class BaseModelDrafter:
+    """The base model with LoRA off drafts one token per row per pass, k passes a cycle, into the
+    decoder's cache (the hybrid KV cache: the verify pass overwrites those slots). ``vocab``,
+    ``dtype``: the cheaper head and linear layers of the module docstring (None: the model as it
+    is). ``key`` names the options for the gate: ``size`` is the vocabulary size asked for (the
+    vocabulary itself also holds the prompts' tokens, so its length changes from call to call)."""
+
+    def __init__(self, inner, state, vocab: torch.Tensor | None = None, dtype=None, size: int | None = None):
+        self.inner, self.state = inner, state
+        self.vocab, self.dtype = vocab, dtype
+        self.context = None
+        self.head = _base(inner.get_output_embeddings())
+        size = size if size is not None else None if vocab is None else len(vocab)
+        self.key = "".join([f"/vocab{size}" if vocab is not None else "", f"/{dtype}" if dtype else ""])
+
+    def propose(self, fwd, batch, hi: int, k: int, policy):
+        last = batch.ends(hi) - 1
+        x = batch.tokens[:hi].gather(1, last[:, None])
+        drafts, probs, rows = [], [], slice(0, hi)
+        for j in range(k):
+            logits = fwd(x, last + j, batch.kv_end(hi, 1) + j, keep=1, drafter=self, rows=rows)
+            d, q = policy.pick(policy.scores(batch, rows, logits, offset=j)[:, 0], batch, rows, offset=j)
+            if q is not None:
+                probs.append(q)
+            batch.tokens[:hi].scatter_(1, (last + 1 + j)[:, None], d[:, None])  # the next step and the processors read it
+            drafts.append(d)
+            x = d[:, None]
+        if not drafts:  # k = 0: a plain step follows
+            return batch.tokens.new_zeros(hi, 0), None
+        return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
+
+    def learn(self, batch, hi: int, accepted: list[int]) -> None:
+        """Nothing to learn within a call: its proposals are the base model's. (The draft vocabulary
+        follows the tokens of whole calls: ``observe``.)"""
+
+    @contextlib.contextmanager
+    def installed(self, context):
+        self.context = context
+        routed = {}
+        if self.dtype is not None:  # every linear layer, the head too (the restricted head below takes the dtype)
+            for m in self.inner.modules():
+                if type(m) is nn.Linear:
+                    routed[m] = self._routed(m, self._low_precision(m))
+        if self.vocab is not None:
+            routed[self.head] = self._routed(self.head, self._restricted(self.head))
+        with forwards(routed):
+            yield self
+
+    def _routed(self, m, draft_forward):
+        original = m.forward
+        p = self.context
+
+        def forward(x, *args, **kwargs):
+            # A compiled pass is built for one pass kind (the drafter's, keyed by it): no owner to check.
+            if p.drafter is self and (torch.compiler.is_compiling() or p.mine()):
+                return draft_forward(x)
+            return original(x, *args, **kwargs)
+        return forward
+
+    def _weights(self, m, kind: str, key, make):
+        """A derived copy of m's weights, made when the drafter is installed and kept in the model
+        state while they are unchanged: one per module and kind ("dtype", "vocab"), so drafters of
+        different kinds do not evict each other."""
+        cache = self.state.drafter.setdefault("weights", {})
+        w = m.weight
+        tag = (key, id(w), w._version, w.data_ptr())
+        hit = cache.get((id(m), kind))
+        if hit is None or hit[0] != tag:
+            hit = cache[(id(m), kind)] = (tag, make())
+        return hit[1]
+
+    def _low_precision(self, m):
+        w, b = self._weights(m, "dtype", self.dtype, lambda: (m.weight.to(self.dtype),
+                                                     None if m.bias is None else m.bias.to(self.dtype)))
+        return lambda x: nn.functional.linear(x.to(self.dtype), w, b).to(x.dtype)
+
+    def _restricted(self, head):
+        vocab, dtype = self.vocab.to(head.weight.device), self.dtype or head.weight.dtype
+        key = (dtype, vocab.cpu().numpy().tobytes())  # the ids themselves: another vocabulary is another head
+        w, b = self._weights(head, "vocab", key, lambda: (head.weight[vocab].to(dtype),
+                                                 None if head.bias is None else head.bias[vocab].to(dtype)))
+
+        def forward(x):
+            out = x.new_full((*x.shape[:-1], head.weight.shape[0]), torch.finfo(x.dtype).min)
+            out[..., vocab] = nn.functional.linear(x.to(dtype), w, b).to(x.dtype)
+            return out
+        return forward
+
+
+def _base(m):
+    """The plain Linear under a LoRA wrapper (LoRA on the output head)."""
+    return m.get_base_layer() if hasattr(m, "get_base_layer") else m

@@ -1,0 +1,77 @@
+"""One decoder over a model, assembled the same way for ``generate()`` (api.py) and the serving
+engine (engine.py):
+
+    session = Session(peft_model, policy, capacity=B, width=W, mixed=True, ...)
+    with state_of(peft_model).hold(), session.installed() as decoder:
+        kept = decoder.admit(rows, input_ids, mask, positions, budgets, adapters)
+        while decoder.batch.active:
+            kept = decoder.cycle()
+
+It builds the LoRA switch (the adapter bank, or PEFT's own layers: ``lora_backend``), the forward
+(eager, or the compiled passes of a bucket) with its pass context, the drafter, the gate, the
+per-slot rotary embeddings of length-dependent RoPE, and the Decoder. ``installed()`` routes
+them into the model's layers for the call's passes and puts everything back after, also on errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from .adapters import SWITCHES, bank_inexact
+from .decoding import Decoder
+from .drafters import BaseModelDrafter
+from .forward import CompiledForward, EagerForward
+from .gate import Gate
+from .lora import BASE
+from .rotary import StepRotary
+
+logger = logging.getLogger("hf_invisiblelora")
+
+
+def lora_backend(model, adapters, requested: str = "bank") -> str:
+    """``requested``, unless it is the bank and the bank would not compute these adapters as PEFT
+    does (adapters.bank_inexact): then PEFT's own layers (logged at INFO)."""
+    why = requested == "bank" and bank_inexact(model, set(adapters) - {BASE})
+    if why:
+        logger.info("hf_invisiblelora: PEFT's own LoRA layers compute the passes (%s).", why)
+        return "peft"
+    return requested
+
+
+class Session:
+    """See the module docstring. ``policy``: how tokens are chosen (policies.py); ``capacity`` rows
+    of ``width`` slots; ``mixed``: rows name their adapters (PEFT's mixed-batch path, as
+    ``adapter_names=`` takes it), else the model's active adapter; ``drafter``: default the base
+    model as it is; ``compile_backend``: None (eager), "inductor" or "cuda_graphs" (forward.py),
+    in the bucket of ``length`` slots if given; the other keywords go to the Decoder."""
+
+    def __init__(self, model, state, policy, *, capacity: int, width: int, mixed: bool, lora_backend: str = "bank",
+                 gate: str = "auto", num_draft_tokens: int = 4, drafter=None, compile_backend=None, length=None,
+                 **decoder_options):
+        inner = model.get_base_model()
+        self.mixed = mixed
+        self.lora = SWITCHES[lora_backend](model, mixed)
+        self.drafter = drafter or BaseModelDrafter(inner, state)
+        if compile_backend is None:
+            self.fwd = EagerForward(inner, self.lora, capacity, width, inner.device, state.mine)
+        else:
+            self.fwd = CompiledForward(inner, state.buckets, self.lora, capacity, width, inner.device, compile_backend,
+                                       range(1, num_draft_tokens + 2), state.mine, length)
+        self.gate = Gate(gate, num_draft_tokens, state.gate, BASE, passes=compile_backend or "eager",
+                         drafter=self.drafter.key)
+        self.rotary = StepRotary(inner, self.fwd.layout)
+        self.decoder = Decoder(self.fwd, self.lora, policy, self.gate, self.drafter, capacity=capacity,
+                               **decoder_options)
+
+    @contextlib.contextmanager
+    def installed(self):
+        context = self.fwd.context
+        with self.decoder.lora.installed(context), self.rotary.installed(), self.drafter.installed(context):
+            yield self.decoder
+
+    def renew_lora(self, model, lora_backend: str) -> None:
+        """A new LoRA switch after the model's adapters changed (a new bank: its slots may move);
+        the rows in flight go on. Call outside ``installed()``."""
+        self.lora = SWITCHES[lora_backend](model, self.mixed)
+        self.decoder.set_lora(self.lora)
