@@ -56,6 +56,16 @@ CONFIGS = {
     "gate_bf16": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_dtype=torch.bfloat16),
     "gate_vocab_bf16": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus",
                             draft_dtype=torch.bfloat16),
+    # Weight-only int8 / int4 draft layers (PyTorch's CPU kernels), with the corpus vocabulary's head;
+    # at fixed k = 2 too, where the gate would not draft.
+    "k2_int8": dict(invisible_lora=True, gate="always", num_draft_tokens=2, compile=False, draft_vocab="corpus",
+                    draft_dtype=torch.int8),
+    "k2_int4": dict(invisible_lora=True, gate="always", num_draft_tokens=2, compile=False, draft_vocab="corpus",
+                    draft_dtype=torch.int4),
+    "gate_int8": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus",
+                      draft_dtype=torch.int8),
+    "gate_int4": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus",
+                      draft_dtype=torch.int4),
     # The bare base model, stock generate() with the adapters disabled: the speed a LoRA-serving
     # path is measured against (its tokens are the base model's, not the adapters').
     "base_model": dict(base_model=True),
@@ -375,7 +385,8 @@ def main(argv=None):
                       + ", ".join(f"{c} {cell(v)}" for c, v in point["configs"].items()), flush=True)
     if not args.no_extras:
         drafters = {"full": {}, "vocab": dict(draft_vocab=CONFIGS["gate_vocab"]["draft_vocab"]),
-                    "bf16": dict(draft_dtype=torch.bfloat16)}
+                    "bf16": dict(draft_dtype=torch.bfloat16), "int8": dict(draft_dtype=torch.int8),
+                    "int4": dict(draft_dtype=torch.int4)}
         results["acceptance"] = acceptance(model, encode, names, prompts_for, 2 if args.smoke else 4, args.new_tokens,
                                            drafters)
         results["bound"] = [bound(model, encode, names, prompts_for, b, args.repeats) for b in batches]

@@ -29,7 +29,8 @@ from .checks import (
     check_options,
     resolve_adapter_names,
 )
-from .drafters import BaseModelDrafter, check_vocabulary, observe as observe_tokens, vocabulary as drafter_vocabulary
+from .drafters import BaseModelDrafter, check_dtype as check_draft_dtype, check_vocabulary, observe as observe_tokens, \
+    vocabulary as drafter_vocabulary
 from .forward import backend_for, warmed
 from .layout import prompt_positions
 from .lora import BASE
@@ -74,13 +75,15 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         at INFO), or ``warm_up`` ahead of it. ``state_of(model).clear()`` drops them.
     draft_vocab: the drafter's head restricted to this many of the most frequent tokens seen in the
         model's prompts and outputs (plus the prompts' tokens), or to a list of token ids (drafters.py).
-    draft_dtype: the drafter's linear layers in this dtype (torch.bfloat16: fast where the CPU has
-        BF16 kernels). Both make draft passes cheaper and keep the output exact.
+    draft_dtype: the drafter's linear layers in this dtype: torch.bfloat16 / torch.float16, or
+        weight-only torch.int8 / torch.int4 (the CPU; drafters.py). Both options make draft passes
+        cheaper where the kernels are fast, and keep the output exact.
     With ``return_dict_in_generate=True`` the output has ``.stats`` (DecodingStats); the last
     call's stats are also at ``state_of(model).stats``. Calls on one model run one at a time.
     """
-    check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab, draft_dtype)
+    check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab)
     check_model(model)
+    check_draft_dtype(draft_dtype, model.device)
     inner = model.get_base_model()
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None or kwargs.get("inputs_embeds") is not None:

@@ -48,7 +48,7 @@ UNSUPPORTED = {
 }
 
 
-def check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab=None, draft_dtype=None) -> None:
+def check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab=None) -> None:
     if gate not in GATE_MODES:
         raise ValueError(f"gate must be one of {GATE_MODES}, got {gate!r}.")
     if not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool) or num_draft_tokens < 0:
@@ -60,8 +60,6 @@ def check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab=Non
     if draft_vocab is not None and not (isinstance(draft_vocab, int) and not isinstance(draft_vocab, bool)
                                         and draft_vocab > 0 or isinstance(draft_vocab, (list, tuple, torch.Tensor))):
         raise ValueError(f"draft_vocab must be a number of tokens (> 0) or a list of token ids, got {draft_vocab!r}.")
-    if draft_dtype is not None and draft_dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"draft_dtype must be torch.bfloat16 or torch.float16, got {draft_dtype!r}.")
 
 
 def check_model(model) -> None:

@@ -24,8 +24,12 @@ The base model's options, for its passes only:
   with sampling the draft distribution lives on the subset and speculative sampling stays exact.
   On a model whose head is a large part of its weights (Gemma 3: a 262k vocabulary) a draft pass
   then reads far fewer bytes.
-- ``dtype``: the drafter's linear layers run with weights in a lower precision (bfloat16), where
-  the CPU has fast kernels for them (AMX / AVX-512 BF16); activations are cast at each layer.
+- ``dtype``: the drafter's linear layers run with weights in a lower precision: bfloat16 or
+  float16 (activations cast at each layer), or weight-only int8 (per output channel) or int4 (per
+  group of 32 inputs, PyTorch's CPU kernels ``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``,
+  bfloat16 activations), which read 4x / 8x fewer weight bytes than float32. Which is faster
+  depends on the CPU's kernels (benchmarks/bench_draft_kernels.py); a layer whose shape the int4
+  kernel does not take runs in bfloat16.
 
 Installed for one call; the forwards act only in its draft passes (the pass context, context.py).
 """
@@ -41,6 +45,50 @@ from torch import nn
 from .state import forwards
 
 COUNTS = "token_counts"  # the model state's key: how often each token id was seen
+DTYPES = (torch.bfloat16, torch.float16, torch.int8, torch.int4)  # draft_dtype's choices
+INT4_GROUP = 32
+
+
+def check_dtype(dtype, device: torch.device) -> None:
+    """A draft dtype the model's device has kernels for (the weight-only ones are PyTorch's CPU kernels)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"draft_dtype must be one of {[str(d) for d in DTYPES]}, got {dtype!r}.")
+    if dtype in (torch.int8, torch.int4) and device.type != "cpu":
+        raise ValueError(f"draft_dtype={dtype} uses PyTorch's CPU kernels; on {device.type} use torch.bfloat16.")
+
+
+def low_precision_linear(weight: torch.Tensor, bias, dtype):
+    """f(x) = x @ weight.T + bias with the weight in ``dtype`` (see the module docstring); the
+    result in x's dtype. The derived weights are made here, once."""
+    float_dtype = torch.bfloat16 if dtype in (torch.int8, torch.int4) else dtype  # of activations and bias
+    bias = None if bias is None else bias.detach().to(float_dtype)
+    out_features, in_features = weight.shape
+    w = weight.detach().float()
+    if dtype == torch.int4 and in_features % INT4_GROUP == 0 and out_features % 16 == 0:
+        groups = w.reshape(out_features, -1, INT4_GROUP)
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        scales = (hi - lo).clamp(min=1e-12) / 15
+        q = ((groups - lo[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.int32).reshape(w.shape)
+        packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        # The kernel's dequantization: (q - 8) * scale + zero, so zero = lo + 8 * scale. [groups, out, 2]
+        scale_zero = torch.stack([scales, lo + 8 * scales], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+        def int4(x):
+            y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, in_features).to(torch.bfloat16), packed, INT4_GROUP,
+                                                  scale_zero)
+            return (y if bias is None else y + bias).reshape(*x.shape[:-1], out_features).to(x.dtype)
+        return int4
+    if dtype == torch.int8:
+        scale = w.abs().amax(1).clamp(min=1e-12) / 127
+        q = (w / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
+        scale = scale.to(torch.bfloat16)
+
+        def int8(x):
+            y = torch._weight_int8pack_mm(x.reshape(-1, in_features).to(torch.bfloat16), q, scale)
+            return (y if bias is None else y + bias).reshape(*x.shape[:-1], out_features).to(x.dtype)
+        return int8
+    w = weight.detach().to(float_dtype)  # (int4: a shape its kernel does not take)
+    return lambda x: nn.functional.linear(x.to(float_dtype), w, bias).to(x.dtype)
 
 
 def observe(state, ids: torch.Tensor, vocab_size: int) -> None:
@@ -162,12 +210,11 @@ class BaseModelDrafter:
         return hit[1]
 
     def _low_precision(self, m):
-        w, b = self._weights(m, "dtype", self.dtype, lambda: (m.weight.to(self.dtype),
-                                                     None if m.bias is None else m.bias.to(self.dtype)))
-        return lambda x: nn.functional.linear(x.to(self.dtype), w, b).to(x.dtype)
+        return self._weights(m, "dtype", self.dtype, lambda: low_precision_linear(m.weight, m.bias, self.dtype))
 
     def _restricted(self, head):
-        vocab, dtype = self.vocab.to(head.weight.device), self.dtype or head.weight.dtype
+        vocab = self.vocab.to(head.weight.device)
+        dtype = torch.bfloat16 if self.dtype in (torch.int8, torch.int4) else self.dtype or head.weight.dtype
         key = (dtype, vocab.cpu().numpy().tobytes())  # the ids themselves: another vocabulary is another head
         w, b = self._weights(head, "vocab", key, lambda: (head.weight[vocab].to(dtype),
                                                  None if head.bias is None else head.bias[vocab].to(dtype)))

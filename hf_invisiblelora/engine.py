@@ -51,7 +51,7 @@ from .adapter_pool import (
 )
 from .checks import check_adapter_state, check_model
 from .decoding import Decoder
-from .drafters import BaseModelDrafter, check_vocabulary, vocabulary as drafter_vocabulary
+from .drafters import BaseModelDrafter, check_dtype as check_draft_dtype, check_vocabulary, vocabulary as drafter_vocabulary
 from .lora import BASE
 from .policies import RequestPolicy
 from .request import (
@@ -126,6 +126,7 @@ class Engine:
                 raise ValueError(f"draft_vocab={size} takes the tokens earlier generate(invisible_lora=True) calls on "
                                  "this model have seen, and there were none; pass a list of token ids.")
             draft_vocab = (draft_vocab, size)
+        check_draft_dtype(draft_dtype, inner.device)
         self.draft_vocab, self.draft_dtype = draft_vocab, draft_dtype
         self.error = None  # what stopped the engine's thread, if it failed
         limit = getattr(inner.config.get_text_config(decoder=True), "max_position_embeddings", None)

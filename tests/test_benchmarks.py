@@ -19,7 +19,7 @@ def test_decoding_benchmark_smoke(tmp_path):
         assert all(c["identical_to_stock"] for name, c in r["configs"].items() if name not in ("stock_peft", "base_model"))
         assert all(c["tokens_per_s"] > 0 for c in r["configs"].values())
     assert set(res["acceptance"]) == {f"{mode}{drafter}" for mode in ("greedy", "sampling")
-                                      for drafter in ("", ", vocab", ", bf16")}
+                                      for drafter in ("", ", vocab", ", bf16", ", int8", ", int4")}
     assert all(0 <= a["acceptance"] <= 1 for a in res["acceptance"]["greedy"]["per_adapter"].values())
     assert res["memory"]["stock_cache_bytes"] > 0 and res["memory"]["hybrid_cache_bytes"]
     assert all(b["bound"] > 0 for b in res["bound"])

@@ -17,7 +17,9 @@ def greedy(model, ids, mask, **kw):
 
 
 @pytest.mark.parametrize("option", [dict(draft_vocab=16), dict(draft_vocab=list(range(2, 40, 3))),
-                                    dict(draft_dtype=torch.bfloat16), dict(draft_vocab=24, draft_dtype=torch.bfloat16)])
+                                    dict(draft_dtype=torch.bfloat16), dict(draft_vocab=24, draft_dtype=torch.bfloat16),
+                                    dict(draft_dtype=torch.int8), dict(draft_dtype=torch.int4),
+                                    dict(draft_vocab=24, draft_dtype=torch.int4)])
 def test_greedy_output_unchanged(option):
     model = tiny_peft("llama", strength=0.6)
     ids, mask = prompts(LENGTHS)
@@ -72,10 +74,33 @@ def test_token_counts_follow_calls():
 
 
 @pytest.mark.parametrize("kw, message", [(dict(draft_vocab=0), "draft_vocab"), (dict(draft_vocab="many"), "draft_vocab"),
-                                         (dict(draft_dtype=torch.int8), "draft_dtype")])
+                                         (dict(draft_dtype=torch.uint8), "draft_dtype")])
 def test_bad_options(kw, message):
     model = tiny_peft("llama", strength=0.6)
     ids, mask = prompts([4, 6])
     with pytest.raises(ValueError, match=message):
         model.generate(input_ids=ids, attention_mask=mask, adapter_names=["s", "b"], max_new_tokens=3,
                        invisible_lora=True, **kw)
+
+
+@pytest.mark.parametrize("dtype, kernel, tolerance", [(torch.int8, "_weight_int8pack_mm", 0.02),
+                                                      (torch.int4, "_weight_int4pack_mm_for_cpu", 0.15)])
+def test_weight_only_drafters_run_their_kernels(monkeypatch, dtype, kernel, tolerance):
+    """Weight-only int8 / int4 draft layers: close to the float layer (not equal: quantized), and
+    the draft passes of a call run the kernel (so the option is not silently the full drafter)."""
+    from hf_invisiblelora.drafters import low_precision_linear
+
+    g = torch.Generator().manual_seed(0)
+    weight, bias, x = torch.randn(48, 64, generator=g), torch.randn(48, generator=g), torch.randn(3, 5, 64, generator=g)
+    ref = torch.nn.functional.linear(x, weight, bias)
+    got = low_precision_linear(weight, bias, dtype)(x)
+    error = float((got - ref).abs().max() / ref.abs().max())
+    assert got.shape == ref.shape and got.dtype == x.dtype and 0 < error < tolerance
+    calls = []
+    real = getattr(torch, kernel)
+    monkeypatch.setattr(torch, kernel, lambda *a: calls.append(1) or real(*a))
+    model = tiny_peft("llama", strength=0.6)
+    ids, mask = prompts(LENGTHS)
+    out = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2, draft_dtype=dtype,
+                 return_dict_in_generate=True)
+    assert torch.equal(out.sequences, greedy(model, ids, mask)) and calls

@@ -51,7 +51,7 @@ def test_requests_decode_as_standalone_generate(model, k, gate):
 
 
 @pytest.mark.parametrize("options", [dict(draft_vocab=[7]), dict(draft_dtype=torch.bfloat16),
-                                     dict(draft_vocab=24, draft_dtype=torch.bfloat16)])
+                                     dict(draft_vocab=24, draft_dtype=torch.bfloat16), dict(draft_dtype=torch.int4)])
 def test_drafter_options_keep_the_output(model, options):
     """The engine's drafter takes generate()'s options (the same assembly, session.py): output as
     standalone generate(); a vocabulary of one token no request emits gets no draft accepted."""

@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: no bound)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="the most tokens drafted per cycle (K)")
     p.add_argument("--gate", default="auto", choices=("auto", "always", "never"))
-    p.add_argument("--draft-dtype", choices=("bfloat16", "float16"), help="the drafter's linear layers in this dtype")
+    p.add_argument("--draft-dtype", choices=("bfloat16", "float16", "int8", "int4"),
+                   help="the drafter's linear layers in this dtype (int8 / int4: weight-only, the CPU)")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: OMP_NUM_THREADS, else the free CPUs)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
