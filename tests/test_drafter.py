@@ -47,7 +47,9 @@ def test_restricted_drafts_stay_in_the_vocabulary():
     assert sum(full.stats.accepted) == sum(full.stats.drafted)  # the same drafter with its whole head: all accepted
 
 
-def test_sampling_with_a_restricted_vocabulary_is_exact():
+@pytest.mark.parametrize("option", [dict(draft_vocab=[2, 3, 4, 5]), dict(draft_dtype=torch.int8),
+                                    dict(draft_dtype=torch.int4)])
+def test_sampling_with_a_cheaper_drafter_is_exact(option):
     from test_sampling import PROMPT, SUPPRESS, TEMPERATURE, TOP_K, exact
 
     model = tiny_peft("llama", vocab=8, adapters=("b", "d"), strength=1.5, seed=1)
@@ -57,8 +59,8 @@ def test_sampling_with_a_restricted_vocabulary_is_exact():
     torch.manual_seed(0)
     out = model.generate(input_ids=PROMPT.repeat(n, 1), adapter_names=["b"] * n, do_sample=True,
                          temperature=TEMPERATURE, top_k=TOP_K, suppress_tokens=SUPPRESS, max_new_tokens=3,
-                         invisible_lora=True, num_draft_tokens=2, gate="always", draft_vocab=[2, 3, 4, 5],
-                         return_dict_in_generate=True)
+                         invisible_lora=True, num_draft_tokens=2, gate="always", return_dict_in_generate=True,
+                         **option)
     samples = [tuple(r) for r in out.sequences[:, PROMPT.shape[1]:].tolist()]
     assert chi_square_p(samples, target) > 1e-3
     assert 0 < sum(out.stats.accepted) < sum(out.stats.drafted)
