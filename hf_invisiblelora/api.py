@@ -146,8 +146,10 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
             drafter_vocabulary(state, draft_vocab, input_ids, vocab_size)
         drafter = BaseModelDrafter(inner, state, None if vocab is None else torch.as_tensor(vocab), draft_dtype,
                                    size=draft_vocab if isinstance(draft_vocab, int) else None)
-        length = warmed(state.buckets, get_bank(model, adapters=()), input_ids.device, inner.dtype, b, width, rows,
-                        range(1, num_draft_tokens + 2), gate != "never", drafter.key) if warm_only else None
+        length = None
+        if warm_only and state.buckets:  # a bucket warm_up (or compile=True) built, whose passes this call can take
+            length = warmed(state.buckets, get_bank(model, adapters=()), input_ids.device, inner.dtype, b, width, rows,
+                            range(1, num_draft_tokens + 2), gate != "never", drafter.key)
         backend = "inductor" if length else compile_backend
         pad_id = int(pad) if pad is not None else 0
         eos = stopping.eos

@@ -10,8 +10,6 @@ from __future__ import annotations
 import inspect
 from typing import Sequence
 
-import torch
-
 from peft import PeftModel
 from peft.tuners.lora.layer import Linear as LoraLinear
 from transformers.cache_utils import get_layer_types_and_kwargs
@@ -19,6 +17,7 @@ from transformers.generation import logits_process as lp
 from transformers.generation.configuration_utils import GenerationMode
 
 from .cache import ATTENTION_LAYERS
+from .drafters import check_vocabulary_option
 from .layout import ATTENTION
 from .lora import BASE, all_modules, lora_layers, named_lora_layers
 from .rotary import length_dependent
@@ -57,9 +56,7 @@ def check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab=Non
         raise ValueError(f"lora_backend must be one of {list(LORA_BACKENDS)}, got {lora_backend!r}.")
     if compile not in COMPILE_OPTIONS:
         raise ValueError(f"compile must be one of {COMPILE_OPTIONS}, got {compile!r}.")
-    if draft_vocab is not None and not (isinstance(draft_vocab, int) and not isinstance(draft_vocab, bool)
-                                        and draft_vocab > 0 or isinstance(draft_vocab, (list, tuple, torch.Tensor))):
-        raise ValueError(f"draft_vocab must be a number of tokens (> 0) or a list of token ids, got {draft_vocab!r}.")
+    check_vocabulary_option(draft_vocab)
 
 
 def check_model(model) -> None:

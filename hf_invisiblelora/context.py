@@ -46,10 +46,6 @@ class PassContext:
         self.q = self.kv_len = 0
         self.write_rows = self.write_slots = self.real = None
 
-    @property
-    def lora(self) -> bool:
-        return self.drafter is None
-
     @contextlib.contextmanager
     def running(self, start: torch.Tensor, q: int, kv_len: int, *, rows=None, lens=None, prefix=None, drafter=None,
                 adapters=None):
@@ -64,11 +60,11 @@ class PassContext:
             _THREAD.context = before
             self.clear()
 
-    def prepare_writes(self, start: torch.Tensor, capacity: int) -> None:
+    def prepare_writes(self, capacity: int) -> None:
         """Where the pass's keys and values go (read by each cache layer's update): rows x slots
         start[b] .. start[b] + q - 1, or only each row's first lens[b] of them. Called inside the
-        pass (a compiled one derives them from its own inputs)."""
-        rows = self.rows
+        pass (a compiled one derives them from its own inputs: ``start`` is its bucket's buffer)."""
+        rows, start = self.rows, self.start
         if rows is None or isinstance(rows, slice):  # the first rows (the cache's view, no copy)
             rows = torch.arange(start.shape[0], device=start.device)
         slots = start[:, None] + torch.arange(self.q, device=start.device)

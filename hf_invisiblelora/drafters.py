@@ -112,6 +112,13 @@ def vocabulary(state, size: int, prompt_ids: torch.Tensor, vocab_size: int) -> t
     return ids.unique()
 
 
+def check_vocabulary_option(value) -> None:
+    """``draft_vocab`` is None, a number of tokens (> 0) or a list of token ids (checked by ``check_vocabulary``)."""
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0
+                                  or isinstance(value, (list, tuple, torch.Tensor))):
+        raise ValueError(f"draft_vocab must be a number of tokens (> 0) or a list of token ids, got {value!r}.")
+
+
 def check_vocabulary(ids, inner) -> torch.Tensor:
     """A draft vocabulary given as token ids, validated against the model's output head: sorted unique ids."""
     vocab_size = _base(inner.get_output_embeddings()).weight.shape[0]

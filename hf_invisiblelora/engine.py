@@ -51,7 +51,13 @@ from .adapter_pool import (
 )
 from .checks import check_adapter_state, check_model
 from .decoding import Decoder
-from .drafters import BaseModelDrafter, check_dtype as check_draft_dtype, check_vocabulary, vocabulary as drafter_vocabulary
+from .drafters import (
+    BaseModelDrafter,
+    check_dtype as check_draft_dtype,
+    check_vocabulary,
+    check_vocabulary_option,
+    vocabulary as drafter_vocabulary,
+)
 from .lora import BASE
 from .policies import RequestPolicy
 from .request import (
@@ -118,8 +124,7 @@ class Engine:
         if isinstance(draft_vocab, (list, tuple, torch.Tensor)):
             draft_vocab = check_vocabulary(draft_vocab, inner)
         elif draft_vocab is not None:
-            if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 1:
-                raise ValueError(f"draft_vocab must be None, an int >= 1 or a list of token ids, got {draft_vocab!r}.")
+            check_vocabulary_option(draft_vocab)
             size, draft_vocab = draft_vocab, drafter_vocabulary(self.state, draft_vocab, torch.zeros(0, dtype=torch.long),
                                                                 self.vocab_size)
             if not len(draft_vocab):

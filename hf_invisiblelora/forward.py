@@ -63,7 +63,7 @@ def model_pass(model, cache: SharedCache, masks, position_ids, ids, keep: int):
     """One model pass over ``ids`` [b, q] as the cache's pass context describes it; the logits of
     each row's last ``keep`` (real) tokens."""
     p = cache.context
-    p.prepare_writes(p.start, cache.capacity)
+    p.prepare_writes(cache.capacity)
     out = model(input_ids=ids, attention_mask=masks, position_ids=position_ids, cache=cache, use_cache=True,
                 logits_to_keep=keep if p.lens is None else 0)
     if p.lens is None:

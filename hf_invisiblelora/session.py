@@ -51,17 +51,17 @@ class Session:
                  **decoder_options):
         inner = model.get_base_model()
         self.mixed = mixed
-        self.lora = SWITCHES[lora_backend](model, mixed)
+        lora = SWITCHES[lora_backend](model, mixed)
         self.drafter = drafter or BaseModelDrafter(inner, state)
         if compile_backend is None:
-            self.fwd = EagerForward(inner, self.lora, capacity, width, inner.device, state.mine)
+            self.fwd = EagerForward(inner, lora, capacity, width, inner.device, state.mine)
         else:
-            self.fwd = CompiledForward(inner, state.buckets, self.lora, capacity, width, inner.device, compile_backend,
+            self.fwd = CompiledForward(inner, state.buckets, lora, capacity, width, inner.device, compile_backend,
                                        range(1, num_draft_tokens + 2), state.mine, length)
         self.gate = Gate(gate, num_draft_tokens, state.gate, BASE, passes=compile_backend or "eager",
                          drafter=self.drafter.key)
         self.rotary = StepRotary(inner, self.fwd.layout)
-        self.decoder = Decoder(self.fwd, self.lora, policy, self.gate, self.drafter, capacity=capacity,
+        self.decoder = Decoder(self.fwd, lora, policy, self.gate, self.drafter, capacity=capacity,
                                **decoder_options)
 
     @contextlib.contextmanager
@@ -73,5 +73,4 @@ class Session:
     def renew_lora(self, model, lora_backend: str) -> None:
         """A new LoRA switch after the model's adapters changed (a new bank: its slots may move);
         the rows in flight go on. Call outside ``installed()``."""
-        self.lora = SWITCHES[lora_backend](model, self.mixed)
-        self.decoder.set_lora(self.lora)
+        self.decoder.set_lora(SWITCHES[lora_backend](model, self.mixed))
