@@ -59,3 +59,27 @@ def test_memory_benchmark_smoke(tmp_path):
     assert bounded["failed"] == 0 and bounded["loads"] > 0 and bounded["evictions"] > 0
     for r in (res["phases"][phase] for phase in ("cycles", "requests", "bounded")):
         assert len(r["rss_mb"]) == r["samples"] and r["max_growth_mb"] >= 0 and r["rss_at_end_mb"] > 0
+
+
+def test_roofline_parts(tmp_path):
+    """bench_roofline.py's measurements on their own: a matmul's profiled time is mostly in the matmul op,
+    an elementwise op's is not; the read bandwidth is a plausible number (1-1000 GB/s)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import torch
+    from bench_roofline import bandwidth, split
+
+    x, w = torch.randn(64, 512), torch.randn(512, 512)
+    assert split(lambda: x @ w, 3)["matmuls"] > 0.5
+    assert split(lambda: (x * 2).exp(), 3)["matmuls"] == 0
+    assert 1e9 < bandwidth(gib=0.125, repeats=2) < 1e12
+
+
+def test_llama_cpp_scale_makes_its_lora_scaling_peft_s(tmp_path):
+    """llama.cpp scales a LoRA by alpha / r; PEFT's rsLoRA by alpha / sqrt(r): the request scale sqrt(r) makes them one."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from bench_llama_cpp import peft_scale
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps(dict(r=16, lora_alpha=32, use_rslora=True)))
+    assert peft_scale(tmp_path) == 4.0
+    (tmp_path / "adapter_config.json").write_text(json.dumps(dict(r=16, lora_alpha=32, use_rslora=False)))
+    assert peft_scale(tmp_path) == 1.0
