@@ -76,14 +76,15 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     draft_vocab: the drafter's head restricted to this many of the most frequent tokens seen in the
         model's prompts and outputs (plus the prompts' tokens), or to a list of token ids (drafters.py).
     draft_dtype: the drafter's linear layers in this dtype: torch.bfloat16 / torch.float16, or
-        weight-only torch.int8 / torch.int4 (the CPU; drafters.py). Both options make draft passes
-        cheaper where the kernels are fast, and keep the output exact.
+        weight-only torch.int8 / torch.int4 (the CPU; drafters.py); or a tuple of choices (None: full
+        precision), among which the gate picks per cycle by measured cost and acceptance. Both
+        options make draft passes cheaper where the kernels are fast, and keep the output exact.
     With ``return_dict_in_generate=True`` the output has ``.stats`` (DecodingStats); the last
     call's stats are also at ``state_of(model).stats``. Calls on one model run one at a time.
     """
     check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab)
     check_model(model)
-    check_draft_dtype(draft_dtype, model.device)
+    draft_dtypes = check_draft_dtype(draft_dtype, model.device)
     inner = model.get_base_model()
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None or kwargs.get("inputs_embeds") is not None:
@@ -144,12 +145,12 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         vocab_size = inner.config.get_text_config(decoder=True).vocab_size
         vocab = draft_vocab if draft_vocab is None or not isinstance(draft_vocab, int) else \
             drafter_vocabulary(state, draft_vocab, input_ids, vocab_size)
-        drafter = BaseModelDrafter(inner, state, None if vocab is None else torch.as_tensor(vocab), draft_dtype,
-                                   size=draft_vocab if isinstance(draft_vocab, int) else None)
+        drafters = [BaseModelDrafter(inner, state, None if vocab is None else torch.as_tensor(vocab), d,
+                                     size=draft_vocab if isinstance(draft_vocab, int) else None) for d in draft_dtypes]
         length = None
         if warm_only and state.buckets:  # a bucket warm_up (or compile=True) built, whose passes this call can take
             length = warmed(state.buckets, get_bank(model, adapters=()), input_ids.device, inner.dtype, b, width, rows,
-                            range(1, num_draft_tokens + 2), gate != "never", drafter.key)
+                            range(1, num_draft_tokens + 2), gate != "never", [d.key for d in drafters])
         backend = "inductor" if length else compile_backend
         pad_id = int(pad) if pad is not None else 0
         eos = stopping.eos
@@ -162,7 +163,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         session = Session(
             model, state, GeneratePolicy(logits_processor, bool(generation_config.do_sample), generator),
             capacity=b, width=width, mixed=mixed, lora_backend=lora_backend, gate=gate,
-            num_draft_tokens=num_draft_tokens, drafter=drafter, compile_backend=backend, length=length,
+            num_draft_tokens=num_draft_tokens, drafters=drafters, compile_backend=backend, length=length,
             span=b, pad_id=pad_id, eos=None if eos is None else eos.to(input_ids.device),
             criteria=stopping.criteria, freeze=stopping.pads, timed=stopping.timed,
             recompute=None if slot is None else Recompute(slot, b), scores=history,

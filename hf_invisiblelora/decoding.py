@@ -185,10 +185,10 @@ class Decoder:
     ``prefill_logits``) for returned logits / scores.
     """
 
-    def __init__(self, fwd, lora, policy, gate: Gate, drafter, *, capacity: int, pad_id: int, eos=None,
+    def __init__(self, fwd, lora, policy, gate: Gate, drafters, *, capacity: int, pad_id: int, eos=None,
                  criteria=None, freeze: bool = True, timed=(), recompute=None, span: int | None = None,
                  history: bool = True, scores=None, keep_prefill: bool = False):
-        self.fwd, self.lora, self.policy, self.gate, self.drafter, self.span = fwd, lora, policy, gate, drafter, span
+        self.fwd, self.lora, self.policy, self.gate, self.drafters, self.span = fwd, lora, policy, gate, drafters, span
         self.batch = Batch.empty(capacity, fwd.layout.width, pad_id, fwd.layout.positions.device)
         self.eos, self.criteria, self.freeze, self.timed, self.recompute = eos, criteria, freeze, timed, recompute
         self.names = [None] * capacity  # each row's adapter
@@ -233,9 +233,9 @@ class Decoder:
         self.cycles, self.k = self.cycles + 1, k
         if self.history:
             self.k_per_cycle.append(k)
-        builds = self.fwd.builds
+        builds, drafter = self.fwd.builds, self.drafters[self.gate.pick]
         with self.timer("draft"):
-            drafts, draft_probs = self.drafter.propose(self.fwd, batch, hi, k, self.policy)
+            drafts, draft_probs = drafter.propose(self.fwd, batch, hi, k, self.policy)
         if self.recompute is not None:
             self.recompute.before_verify(self.fwd, batch)
         with self.timer("verify"):
@@ -248,7 +248,7 @@ class Decoder:
                                live=[not d for d in batch.done_h[:hi]])
         kept, n_h = commit(batch, hi, n, next_token, k, self.eos, self.criteria, self.freeze, timed=self.timed,
                            scores=self.scores)
-        self.drafter.learn(batch, hi, n_h)
+        drafter.learn(batch, hi, n_h)
         for r in active:
             self.drafted[r] += k
             self.accepted[r] += n_h[r]

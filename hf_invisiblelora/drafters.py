@@ -24,6 +24,9 @@ The base model's options, for its passes only:
   with sampling the draft distribution lives on the subset and speculative sampling stays exact.
   On a model whose head is a large part of its weights (Gemma 3: a 262k vocabulary) a draft pass
   then reads far fewer bytes.
+Given several dtypes (``draft_dtype=(None, torch.int4)``), one drafter per dtype is installed and
+the gate picks one per cycle by its measured draft cost and acceptance (gate.py).
+
 - ``dtype``: the drafter's linear layers run with weights in a lower precision: bfloat16 or
   float16 (activations cast at each layer), or weight-only int8 (per output channel) or int4 (per
   group of 32 inputs, PyTorch's CPU kernels ``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``,
@@ -49,12 +52,20 @@ DTYPES = (torch.bfloat16, torch.float16, torch.int8, torch.int4)  # draft_dtype'
 INT4_GROUP = 32
 
 
-def check_dtype(dtype, device: torch.device) -> None:
-    """A draft dtype the model's device has kernels for (the weight-only ones are PyTorch's CPU kernels)."""
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"draft_dtype must be one of {[str(d) for d in DTYPES]}, got {dtype!r}.")
-    if dtype in (torch.int8, torch.int4) and device.type != "cpu":
-        raise ValueError(f"draft_dtype={dtype} uses PyTorch's CPU kernels; on {device.type} use torch.bfloat16.")
+def check_dtype(dtype, device: torch.device) -> tuple:
+    """``draft_dtype`` checked: a draft dtype the model's device has kernels for (the weight-only ones
+    are PyTorch's CPU kernels), or a tuple / list of them (None: full precision) for the gate to
+    choose among. Returns the choices as a tuple."""
+    choices = tuple(dtype) if isinstance(dtype, (tuple, list)) else (dtype,)
+    if not choices or len(set(choices)) != len(choices):
+        raise ValueError(f"draft_dtype as a list needs distinct choices (None: full precision), got {dtype!r}.")
+    for d in choices:
+        if d is not None and d not in DTYPES:
+            raise ValueError(f"draft_dtype must be one of {[str(d) for d in DTYPES]} (or a list of them and None), "
+                             f"got {d!r}.")
+        if d in (torch.int8, torch.int4) and device.type != "cpu":
+            raise ValueError(f"draft_dtype={d} uses PyTorch's CPU kernels; on {device.type} use torch.bfloat16.")
+    return choices
 
 
 def low_precision_linear(weight: torch.Tensor, bias, dtype):

@@ -131,8 +131,7 @@ class Engine:
                 raise ValueError(f"draft_vocab={size} takes the tokens earlier generate(invisible_lora=True) calls on "
                                  "this model have seen, and there were none; pass a list of token ids.")
             draft_vocab = (draft_vocab, size)
-        check_draft_dtype(draft_dtype, inner.device)
-        self.draft_vocab, self.draft_dtype = draft_vocab, draft_dtype
+        self.draft_vocab, self.draft_dtypes = draft_vocab, check_draft_dtype(draft_dtype, inner.device)
         self.error = None  # what stopped the engine's thread, if it failed
         limit = getattr(inner.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.max_positions = limit
@@ -299,10 +298,10 @@ class Engine:
     def _session(self) -> Session:
         """The decoder's assembly (session.py): every row its own request (RequestPolicy) and adapter."""
         vocab, size = self.draft_vocab if isinstance(self.draft_vocab, tuple) else (self.draft_vocab, None)
-        drafter = BaseModelDrafter(self.inner, self.state, vocab, self.draft_dtype, size=size)
+        drafters = [BaseModelDrafter(self.inner, self.state, vocab, d, size=size) for d in self.draft_dtypes]
         return Session(self.model, self.state, self._policy, capacity=self.max_batch, width=self.max_len, mixed=True,
                        lora_backend=lora_backend(self.model, self.model.peft_config), gate=self.gate_mode,
-                       num_draft_tokens=self.num_draft_tokens, drafter=drafter, pad_id=self.pad_id, history=False,
+                       num_draft_tokens=self.num_draft_tokens, drafters=drafters, pad_id=self.pad_id, history=False,
                        eos=torch.full((self.max_batch, max(len(self.eos_ids), 1)), -1, device=self.inner.device))
 
     def _run(self) -> None:

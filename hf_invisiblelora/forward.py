@@ -150,18 +150,18 @@ def pack_buckets(bucket, bank, active) -> tuple:
 
 
 def warmed(buckets: dict, bank, device, dtype, rows: int, width: int, names, widths: range, drafts: bool,
-           drafter: str = "") -> int | None:
+           drafters=("",)) -> int | None:
     """The cache length of the smallest bucket of ``rows`` rows and at least ``width`` slots whose
     compiled passes (``warm_up`` or earlier ``compile=True`` calls) include every pass a call with
-    adapters ``names`` can run (LoRA-on passes of 1 to K + 1 tokens and the draft pass of the
-    drafter key ``drafter``; only the 1-token LoRA-on pass if it never ``drafts``); None if there
+    adapters ``names`` can run (LoRA-on passes of 1 to K + 1 tokens and the draft passes of the
+    drafter keys ``drafters``; only the 1-token LoRA-on pass if it never ``drafts``); None if there
     is none. ``compile="auto"`` on the CPU takes such a bucket, and never compiles inside a call."""
     keys = sorted((k for k in buckets if k[:3] == (device, dtype, row_bucket(rows)) and k[3] >= width),
                   key=lambda k: k[3])
     active = _active(bank.slots([a or BASE for a in names])) if keys else None
     for key in keys:
         packs = pack_buckets(buckets[key], bank, active)
-        need = {(q, None, packs) for q in (widths if drafts else [1])} | ({(1, drafter, None)} if drafts else set())
+        need = {(q, None, packs) for q in (widths if drafts else [1])} | ({(1, d, None) for d in drafters} if drafts else set())
         if need <= set(buckets[key].passes):
             return key[3]
     return None

@@ -42,32 +42,36 @@ def lora_backend(model, adapters, requested: str = "bank") -> str:
 class Session:
     """See the module docstring. ``policy``: how tokens are chosen (policies.py); ``capacity`` rows
     of ``width`` slots; ``mixed``: rows name their adapters (PEFT's mixed-batch path, as
-    ``adapter_names=`` takes it), else the model's active adapter; ``drafter``: default the base
-    model as it is; ``compile_backend``: None (eager), "inductor" or "cuda_graphs" (forward.py),
+    ``adapter_names=`` takes it), else the model's active adapter; ``drafters``: default the base
+    model as it is (several: the gate picks one per cycle); ``compile_backend``: None (eager), "inductor" or "cuda_graphs" (forward.py),
     in the bucket of ``length`` slots if given; the other keywords go to the Decoder."""
 
     def __init__(self, model, state, policy, *, capacity: int, width: int, mixed: bool, lora_backend: str = "bank",
-                 gate: str = "auto", num_draft_tokens: int = 4, drafter=None, compile_backend=None, length=None,
+                 gate: str = "auto", num_draft_tokens: int = 4, drafters=None, compile_backend=None, length=None,
                  **decoder_options):
         inner = model.get_base_model()
         self.mixed = mixed
         lora = SWITCHES[lora_backend](model, mixed)
-        self.drafter = drafter or BaseModelDrafter(inner, state)
+        self.drafters = drafters or [BaseModelDrafter(inner, state)]
         if compile_backend is None:
             self.fwd = EagerForward(inner, lora, capacity, width, inner.device, state.mine)
         else:
             self.fwd = CompiledForward(inner, state.buckets, lora, capacity, width, inner.device, compile_backend,
                                        range(1, num_draft_tokens + 2), state.mine, length)
         self.gate = Gate(gate, num_draft_tokens, state.gate, BASE, passes=compile_backend or "eager",
-                         drafter=self.drafter.key)
+                         drafters=tuple(d.key for d in self.drafters))
         self.rotary = StepRotary(inner, self.fwd.layout)
-        self.decoder = Decoder(self.fwd, lora, policy, self.gate, self.drafter, capacity=capacity,
+        self.decoder = Decoder(self.fwd, lora, policy, self.gate, self.drafters, capacity=capacity,
                                **decoder_options)
 
     @contextlib.contextmanager
     def installed(self):
         context = self.fwd.context
-        with self.decoder.lora.installed(context), self.rotary.installed(), self.drafter.installed(context):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.decoder.lora.installed(context))
+            stack.enter_context(self.rotary.installed())
+            for drafter in self.drafters:
+                stack.enter_context(drafter.installed(context))
             yield self.decoder
 
     def renew_lora(self, model, lora_backend: str) -> None:

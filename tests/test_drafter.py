@@ -19,7 +19,8 @@ def greedy(model, ids, mask, **kw):
 @pytest.mark.parametrize("option", [dict(draft_vocab=16), dict(draft_vocab=list(range(2, 40, 3))),
                                     dict(draft_dtype=torch.bfloat16), dict(draft_vocab=24, draft_dtype=torch.bfloat16),
                                     dict(draft_dtype=torch.int8), dict(draft_dtype=torch.int4),
-                                    dict(draft_vocab=24, draft_dtype=torch.int4)])
+                                    dict(draft_vocab=24, draft_dtype=torch.int4), dict(draft_dtype=(None, torch.int4)),
+                                    dict(draft_vocab=24, draft_dtype=[torch.int8, torch.bfloat16])])
 def test_greedy_output_unchanged(option):
     model = tiny_peft("llama", strength=0.6)
     ids, mask = prompts(LENGTHS)
@@ -30,6 +31,22 @@ def test_greedy_output_unchanged(option):
     assert torch.equal(out.sequences, ref)
     assert sum(out.stats.drafted) > 0
     assert not any("forward" in vars(m) for m in model.modules())  # nothing left installed
+
+
+def test_several_drafters_each_draft_and_learn_their_own_acceptance():
+    """draft_dtype=(None, torch.int4): both drafters installed; with gate="always" they take turns, and
+    the gate's memory holds each one's acceptance and draft cost (what it chooses by under "auto")."""
+    model = tiny_peft("llama", strength=0.6)
+    ids, mask = prompts(LENGTHS)
+    ref = greedy(model, ids, mask)
+    out = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2,
+                 draft_dtype=(None, torch.int4), return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    memory = state_of(model).gate
+    assert {"s", ("s", "/torch.int4")} <= set(memory.trials)
+    assert {key[1][1] for key in memory.costs if key[0] == "draft"} == {"eager", "eager/torch.int4"}
+    auto = greedy(model, ids, mask, invisible_lora=True, draft_dtype=(None, torch.int4))
+    assert torch.equal(auto, ref)
 
 
 def test_restricted_drafts_stay_in_the_vocabulary():
@@ -48,7 +65,7 @@ def test_restricted_drafts_stay_in_the_vocabulary():
 
 
 @pytest.mark.parametrize("option", [dict(draft_vocab=[2, 3, 4, 5]), dict(draft_dtype=torch.int8),
-                                    dict(draft_dtype=torch.int4)])
+                                    dict(draft_dtype=torch.int4), dict(draft_dtype=(None, torch.int4))])
 def test_sampling_with_a_cheaper_drafter_is_exact(option):
     from test_sampling import PROMPT, SUPPRESS, TEMPERATURE, TOP_K, exact
 
@@ -76,7 +93,10 @@ def test_token_counts_follow_calls():
 
 
 @pytest.mark.parametrize("kw, message", [(dict(draft_vocab=0), "draft_vocab"), (dict(draft_vocab="many"), "draft_vocab"),
-                                         (dict(draft_dtype=torch.uint8), "draft_dtype")])
+                                         (dict(draft_dtype=torch.uint8), "draft_dtype"),
+                                         (dict(draft_dtype=(None, torch.uint8)), "draft_dtype"),
+                                         (dict(draft_dtype=()), "distinct choices"),
+                                         (dict(draft_dtype=[torch.int4, torch.int4]), "distinct choices")])
 def test_bad_options(kw, message):
     model = tiny_peft("llama", strength=0.6)
     ids, mask = prompts([4, 6])

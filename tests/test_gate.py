@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_invisiblelora.decoding import PassTimer
-from hf_invisiblelora.gate import COST_WINDOW, MARGIN, PROBE_AFTER, Gate, GateMemory, expected_tokens
+from hf_invisiblelora.gate import COST_BOUND_PROBE, COST_WINDOW, MARGIN, PROBE_AFTER, Gate, GateMemory, expected_tokens
 
 K = 4
 ROWS = ["x", "y", "x", "__base__"]
@@ -18,7 +18,7 @@ def gate_with(costs_by_q, draft_cost, acceptance, rows=ROWS, mode="auto"):
     for q, t in costs_by_q.items():
         mem.costs[("verify", shape, q)] = t
     if draft_cost is not None:
-        mem.costs[("draft", shape)] = draft_cost
+        mem.costs[("draft", (len(rows), "eager"))] = draft_cost
     for name, a in acceptance.items():  # strong evidence, far above the prior's weight
         mem.accepted[name], mem.trials[name] = 1000 * a, 1000.0
     gate = Gate(mode, K, mem, "__base__")
@@ -92,14 +92,49 @@ def test_calibrates_then_explores_with_backoff():
     assert g.choose([50] * 4) == 0  # first: measure a plain step
     g.observe(0, [0] * 4, [True] * 4, None, verify_s=0.1)
     assert g.choose([50] * 4) == 1  # then: the cheapest drafting cycle
-    g.observe(1, [1, 0, 1, 1], [True] * 4, draft_s=0.1, verify_s=0.2)
-    # Measured: drafting does not pay. Plain steps, a k = 1 re-check after PROBE_AFTER, the next 2x later,
-    # and the backoff carries over to the next generate call (a new Gate on the same memory).
+    g.observe(1, [0, 0, 0, 1], [True] * 4, draft_s=0.04, verify_s=0.12)
+    # Measured: drafting would pay only at high acceptance, and x and y rejected their drafts. Plain
+    # steps, a k = 1 re-check after PROBE_AFTER, the next 2x later, and the backoff carries over to
+    # the next generate call (a new Gate on the same memory).
     picks = [g.choose([50] * 4) for _ in range(2 * PROBE_AFTER)]
     later = Gate("auto", K, g.memory, "__base__")
     later.set_rows(ROWS)
     picks += [later.choose([50] * 4) for _ in range(2 * PROBE_AFTER)]
     assert [(i, k) for i, k in enumerate(picks) if k] == [(PROBE_AFTER - 1, 1), (3 * PROBE_AFTER - 1, 1)]
+
+
+def test_costs_alone_ruling_drafting_out_are_rechecked_rarely():
+    """A draft pass that costs a plain step, and a 2-token verify 2 plain steps: drafting loses even if
+    every draft is accepted, so a re-check cannot change the decision through acceptance. It comes
+    only every COST_BOUND_PROBE cycles (refreshing the draft's cost), not every PROBE_AFTER."""
+    costs = {q: 0.1 * q for q in range(1, K + 2)}
+    g = gate_with(costs, 0.1, {"x": 0.9, "y": 0.9})
+    picks = [g.choose([50] * 4) for _ in range(3 * COST_BOUND_PROBE)]
+    assert [i for i, k in enumerate(picks) if k] == [COST_BOUND_PROBE - 1, 3 * COST_BOUND_PROBE - 1]
+    # Where every accepted draft would pay (draft passes cheap), acceptance decides: re-checked soon.
+    g = gate_with({1: 0.1, 2: 0.12, 3: 0.14, 4: 0.16, 5: 0.18}, 0.02, {"x": 0.05, "y": 0.05})
+    picks = [g.choose([50] * 4) for _ in range(PROBE_AFTER)]
+    assert [i for i, k in enumerate(picks) if k] == [PROBE_AFTER - 1]
+
+
+def test_what_one_adapter_count_measured_serves_another():
+    """The draft pass (LoRA off) costs the same whatever the adapters: measured with 2 adapters, it
+    is known with 3. And a first plain step with 3 adapters is enough to decide: the verify widths
+    are scaled from the 2-adapter curve at the same rows, so no calibration cycle is spent."""
+    rows2, rows3 = ["x", "y", "x", "y"], ["x", "y", "z", "x"]
+    mem = GateMemory()
+    for q, t in {1: 0.2, 2: 0.3, 3: 0.4}.items():
+        mem.costs[("verify", (4, 2, "eager"), q)] = t
+    mem.costs[("draft", (4, "eager"))] = 0.2
+    g = Gate("auto", K, mem, "__base__")
+    g.set_rows(rows3)
+    assert g.choose([50] * 4) == 0  # a plain step: this shape's first measurement
+    g.observe(0, [0] * 4, [True] * 4, None, verify_s=0.4)
+    assert g._costs() == pytest.approx([0.4, 0.2 + 0.6, 0.4 + 0.8, 0.6 + 1.0])  # the 2-adapter curve, x2
+    assert g.choose([50] * 4) == 0  # decided from it: drafting cannot pay here, no calibration cycle
+    other = Gate("auto", K, mem, "__base__", drafters=("/int4",))  # another drafter's costs are its own
+    other.set_rows(rows2)
+    assert other._costs() is None
 
 
 def test_rechecks_a_plain_step_while_drafting():
@@ -170,10 +205,36 @@ def test_acceptance_is_learned_per_drafter():
     """A cheaper drafter is accepted less often: what one drafter taught the gate does not steer
     another's decisions, and each learns from its own cycles."""
     mem = GateMemory()
-    full, vocab = Gate("auto", K, mem, "__base__"), Gate("auto", K, mem, "__base__", drafter="/vocab64")
+    full, vocab = Gate("auto", K, mem, "__base__"), Gate("auto", K, mem, "__base__", drafters=("/vocab64",))
     for g in (full, vocab):
         g.set_rows(["x", "x"])
     for _ in range(50):
         full.observe(2, [2, 2], [True, True], 0.01, 0.02)  # every draft kept
         vocab.observe(2, [0, 0], [True, True], 0.01, 0.02)  # none kept
     assert mem.acceptance("x") > 0.9 and mem.acceptance(("x", "/vocab64")) < 0.1
+
+
+def test_picks_among_drafters_by_cost_and_acceptance():
+    """Two drafters: the full one (draft pass 0.1 s) and a cheap one (0.03 s). Each is calibrated with one
+    k = 1 cycle; then the gate drafts with the cheap one while it is accepted, and with the full one when
+    the cheap one's drafts are rejected; plain steps when neither pays."""
+    mem = GateMemory()
+    g = Gate("auto", K, mem, "__base__", drafters=("", "/int4"))
+    g.set_rows(["x", "y"])
+    assert g.choose([50, 50]) == 0  # a plain step first
+    g.observe(0, [0, 0], [True, True], None, verify_s=0.2)
+    picks = []
+    for _ in range(2):  # then one k = 1 cycle per drafter, each drafter's own cost
+        k = g.choose([50, 50])
+        picks.append((k, g.pick))
+        g.observe(1, [1, 1], [True, True], draft_s=[0.1, 0.03][g.pick], verify_s=0.21)
+    assert picks == [(1, 0), (1, 1)]
+    for q in range(3, K + 2):
+        mem.costs[("verify", g.shape, q)] = 0.2 + 0.01 * q
+    for a_full, a_cheap, expect in ((0.9, 0.85, 1), (0.9, 0.05, 0)):
+        mem.accepted.update({"x": 1000 * a_full, "y": 1000 * a_full,
+                             ("x", "/int4"): 1000 * a_cheap, ("y", "/int4"): 1000 * a_cheap})
+        mem.trials.update({key: 1000.0 for key in mem.accepted})
+        assert g.choose([50, 50]) > 0 and g.pick == expect
+    mem.costs[("draft", (2, "eager"))] = mem.costs[("draft", (2, "eager/int4"))] = 1.0  # both far too dear
+    assert g.choose([50, 50]) == 0
