@@ -217,14 +217,15 @@ class BaseModelDrafter:
 
     def _weights(self, m, kind: str, key, make):
         """A derived copy of m's weights, made when the drafter is installed and kept in the model
-        state while they are unchanged: one per module and kind ("dtype", "vocab"), so drafters of
-        different kinds do not evict each other."""
+        state while they are unchanged: one per module, kind ("dtype", "vocab") and draft dtype, so
+        drafters of different kinds, or several installed together, do not evict each other."""
         cache = self.state.drafter.setdefault("weights", {})
         w = m.weight
         tag = (key, id(w), w._version, w.data_ptr())
-        hit = cache.get((id(m), kind))
+        slot = (id(m), kind, self.dtype)
+        hit = cache.get(slot)
         if hit is None or hit[0] != tag:
-            hit = cache[(id(m), kind)] = (tag, make())
+            hit = cache[slot] = (tag, make())
         return hit[1]
 
     def _low_precision(self, m):

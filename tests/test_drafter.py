@@ -49,6 +49,23 @@ def test_several_drafters_each_draft_and_learn_their_own_acceptance():
     assert torch.equal(auto, ref)
 
 
+def test_drafters_installed_together_keep_their_weights(monkeypatch):
+    """int8 and int4 drafters in one call each make their quantized copies once: a later call reuses
+    both (a shared slot per module made each evict the other, re-quantizing the model every call)."""
+    from hf_invisiblelora import drafters
+
+    made = []
+    real = drafters.low_precision_linear
+    monkeypatch.setattr(drafters, "low_precision_linear", lambda w, b, dtype: made.append(dtype) or real(w, b, dtype))
+    model = tiny_peft("llama", strength=0.6)
+    ids, mask = prompts(LENGTHS)
+    for _ in range(2):
+        greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2, draft_vocab=24,
+               draft_dtype=(torch.int8, torch.int4))
+    linears = sum(type(m) is torch.nn.Linear for m in model.get_base_model().modules())
+    assert made.count(torch.int8) == made.count(torch.int4) == linears
+
+
 def test_restricted_drafts_stay_in_the_vocabulary():
     """Drafts come from the subset: with a vocabulary that excludes what the target says, nothing is accepted."""
     model = tiny_peft("llama", strength=0.0)  # adapters with zero B: the target is the base model
