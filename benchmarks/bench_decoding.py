@@ -66,6 +66,9 @@ CONFIGS = {
                       draft_dtype=torch.int8),
     "gate_int4": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus",
                       draft_dtype=torch.int4),
+    # The gate choosing the drafter per cycle among the corpus-vocabulary head in float32, int8 and int4.
+    "gate_choice": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus",
+                        draft_dtype=(None, torch.int8, torch.int4)),
     # The bare base model, stock generate() with the adapters disabled: the speed a LoRA-serving
     # path is measured against (its tokens are the base model's, not the adapters').
     "base_model": dict(base_model=True),

@@ -63,9 +63,9 @@ class GateMemory:
 
     accepted: dict = field(default_factory=dict)  # adapter -> decayed accepted drafts
     trials: dict = field(default_factory=dict)  # adapter -> decayed drafts judged
-    costs: dict = field(default_factory=dict)  # ("draft", (rows, variant)) / ("verify", shape, q) -> seconds (median)
+    costs: dict = field(default_factory=dict)  # ("draft", (rows, passes + drafter)) / ("verify", shape, q) -> seconds (median)
     timings: dict = field(default_factory=dict)  # the same keys -> the last COST_WINDOW timings
-    probes: dict = field(default_factory=dict)  # shape -> Probe
+    probes: dict = field(default_factory=dict)  # (shape, drafters) -> Probe
 
     def acceptance(self, adapter: str) -> float:
         a, t = self.accepted.get(adapter, 0.0), self.trials.get(adapter, 0.0)
@@ -103,7 +103,8 @@ class Gate:
         # The drafters' keys (drafters.Drafter.key; "" the base model as it is); the gate picks one per
         # cycle (``pick``: its index), by each one's draft cost and acceptance.
         self.drafters, self.pick, self.turn = list(drafters), 0, -1
-        self.variant = passes + "+".join(drafters)  # what verify costs depend on: eager / compiled, the drafters
+        # Verify passes run LoRA on whoever drafted: their costs depend on eager / compiled, not the
+        # drafter (keyed by it, a drafter's verify costs went stale while another's were refreshed).
         self.passes = passes
         self.set_rows([])
 
@@ -113,7 +114,7 @@ class Gate:
         # Acceptance is learned per adapter and drafter.
         self.keys = [[(a, d) if d else a for a in adapter_names] for d in self.drafters]
         # What a pass's cost depends on: rows, distinct adapters, eager or compiled.
-        self.shape = (len(adapter_names), len(set(a for a in adapter_names if a is not None)), self.variant)
+        self.shape = (len(adapter_names), len(set(a for a in adapter_names if a is not None)), self.passes)
         # A draft pass runs LoRA off: its cost depends on the rows and the drafter, not the adapters.
         self.draft_shapes = [(len(adapter_names), self.passes + d) for d in self.drafters]
         self.is_base = [a == self.base for a in adapter_names]
@@ -155,9 +156,10 @@ class Gate:
         """``best``, or now and then the cheapest cycle of the other side (k = 1 if best is a plain
         step, else a plain step): it refreshes the estimates the decision rests on. The backoff
         lives on the model, so many short calls do not each pay for a probe."""
-        p = self.memory.probes.get(self.shape)
+        key = (self.shape, tuple(self.drafters))
+        p = self.memory.probes.get(key)
         if p is None or p.drafting != (best > 0):  # new, or the decision changed: re-check soon
-            p = self.memory.probes[self.shape] = Probe(drafting=best > 0)
+            p = self.memory.probes[key] = Probe(drafting=best > 0)
         p.since += 1
         after = max(p.after, COST_BOUND_PROBE) if cost_bound else p.after
         if p.since < after:
@@ -174,7 +176,7 @@ class Gate:
             return timed
         curves = {}
         for key, v in c.items():
-            if key[0] == "verify" and key[1][0] == self.shape[0] and key[1][2] == self.variant and key[1] != self.shape:
+            if key[0] == "verify" and key[1][0] == self.shape[0] and key[1][2] == self.passes and key[1] != self.shape:
                 curves.setdefault(key[1], []).append((key[2], v))
         curves = [sorted(v) for v in curves.values() if len(v) > 1 and min(v)[0] == 1]
         if not curves:

@@ -238,3 +238,15 @@ def test_picks_among_drafters_by_cost_and_acceptance():
         assert g.choose([50, 50]) > 0 and g.pick == expect
     mem.costs[("draft", (2, "eager"))] = mem.costs[("draft", (2, "eager/int4"))] = 1.0  # both far too dear
     assert g.choose([50, 50]) == 0
+
+
+def test_verify_costs_are_the_same_whoever_drafted():
+    """A verify pass runs LoRA on: its cost, measured under one drafter, is the cost under another (kept
+    apart, the plain step's cost went stale under a drafter that drafted in every cycle)."""
+    mem = GateMemory()
+    full, cheap = Gate("auto", K, mem, "__base__"), Gate("auto", K, mem, "__base__", drafters=("/int4",))
+    for g in (full, cheap):
+        g.set_rows(["x", "y"])
+    full.observe(0, [0, 0], [True, True], None, verify_s=0.3)
+    cheap.observe(1, [1, 1], [True, True], draft_s=0.05, verify_s=0.31)
+    assert cheap._costs()[:2] == pytest.approx([0.3, 0.36]) and full._costs() is None  # no full draft timed
