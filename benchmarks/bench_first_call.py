@@ -1,0 +1,81 @@
+"""First-call latency of compiled passes: a new process's first generate() call, cold and warm.
+
+Each measurement is a fresh Python process (what a user's script or a restarted server is):
+  eager       compile=False: the first call and a second one (the reference);
+  cold        compile=True with an empty Inductor cache folder: the first call compiles every pass;
+  warm        compile=True again in a new process on the cache the cold run left (Inductor's on-disk
+              FX-graph and AOTAutograd caches): what a second run of the same script pays.
+The zoo's SmolLM2 with its first adapter, greedy, --new-tokens tokens from a 32-token prompt,
+``gate="never"`` (one pass kind: the plain LoRA-on step) unless --gate says otherwise.
+
+    python -P benchmarks/bench_first_call.py --batch 1 --new-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
+from common import machine
+
+CHILD = r"""
+import json, sys, time, torch
+import hf_invisiblelora
+from hf_invisiblelora import zoo
+torch.set_num_threads({threads})
+t0 = time.perf_counter()
+model, tok, names = zoo.load_zoo("smollm2", ["{adapter}"])
+prompts, rows = zoo.mixed_prompts("smollm2", tok, names, {batch}, 32)
+tok.padding_side = "left"
+enc = tok(prompts, return_tensors="pt", padding=True)
+load = time.perf_counter() - t0
+times = []
+for _ in range(2):
+    t = time.perf_counter()
+    model.generate(**enc, adapter_names=rows, max_new_tokens={new}, do_sample=False, invisible_lora=True,
+                   gate="{gate}", compile={compile}, pad_token_id=tok.pad_token_id)
+    times.append(time.perf_counter() - t)
+print(json.dumps(dict(load_s=load, first_s=times[0], second_s=times[1])))
+"""
+
+
+def run(code: str, cache: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+    out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--gate", default="never")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--adapter", default="shakespeare")
+    p.add_argument("--out", default="benchmarks/results/first_call.json")
+    args = p.parse_args(argv)
+    fill = dict(threads=args.threads, adapter=args.adapter, batch=args.batch, new=args.new_tokens, gate=args.gate)
+    results = {}
+    with tempfile.TemporaryDirectory() as cache:
+        results["eager"] = run(CHILD.format(compile=False, **fill), cache)
+        results["cold"] = run(CHILD.format(compile=True, **fill), cache)
+        results["warm"] = run(CHILD.format(compile=True, **fill), cache)
+    print(f"CPU {machine()}; batch {args.batch}, {args.new_tokens} new tokens, gate={args.gate}, {args.threads} threads; seconds")
+    print("| way | model load | first call | second call |")
+    print("|---|---|---|---|")
+    for way, r in results.items():
+        print(f"| {way} | {r['load_s']:.1f} | {r['first_s']:.1f} | {r['second_s']:.1f} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(command="python benchmarks/bench_first_call.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                                   cpu=machine(), results=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
