@@ -495,3 +495,11 @@ def test_a_bad_path_at_start_is_one_line_and_exit_2(files, tmp_path, flag):
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and str(gone) in lines[0] and "not a folder" in lines[0], res.stderr
+
+
+def test_draft_dtype_option_takes_several():
+    """--draft-dtype float32 int8 int4: the gate's choices, as Engine(draft_dtype=) takes them."""
+    from hf_invisiblelora.serving.cli import draft_dtypes
+
+    assert draft_dtypes(None) is None and draft_dtypes(["int4"]) is torch.int4
+    assert draft_dtypes(["float32", "int8", "int4"]) == (None, torch.int8, torch.int4)

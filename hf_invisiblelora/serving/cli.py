@@ -126,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: no bound)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="the most tokens drafted per cycle (K)")
     p.add_argument("--gate", default="auto", choices=("auto", "always", "never"))
-    p.add_argument("--draft-dtype", choices=("bfloat16", "float16", "int8", "int4"),
-                   help="the drafter's linear layers in this dtype (int8 / int4: weight-only, the CPU)")
+    p.add_argument("--draft-dtype", nargs="+", choices=("float32", "bfloat16", "float16", "int8", "int4"),
+                   help="the drafter's linear layers in this dtype (int8 / int4: weight-only, the CPU); several "
+                        "(e.g. float32 int8 int4; float32: the model's own precision): the gate picks one per cycle")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: OMP_NUM_THREADS, else the free CPUs)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, num_draft_tokens=args.num_draft_tokens,
                     gate=args.gate, max_queue=args.max_queue, max_loras=args.max_loras,
                     max_cpu_loras=args.max_cpu_loras, adapter_paths=adapter_paths,
-                    draft_dtype=getattr(torch, args.draft_dtype) if args.draft_dtype else None).start()
+                    draft_dtype=draft_dtypes(args.draft_dtype)).start()
     lora_roots = [os.path.realpath(root) for root in args.lora_root]
     server = Server(engine, tokenizer, model_id, root, adapter_paths, api_key=args.api_key,
                     runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,
@@ -207,3 +208,14 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def draft_dtypes(names):
+    """--draft-dtype's values as Engine(draft_dtype=) takes them: None, a dtype, or a tuple of choices
+    (float32: the model's own precision, None)."""
+    import torch
+
+    if not names:
+        return None
+    dtypes = tuple(None if n == "float32" else getattr(torch, n) for n in names)
+    return dtypes[0] if len(dtypes) == 1 else dtypes
