@@ -131,7 +131,7 @@ class Gate:
             return cap
         if self.mode == "never" or all(b for b, r in zip(self.is_base, remaining) if r):
             return 0  # no adapter work to save: the LoRA-on step costs what a draft step costs
-        costs = [self._costs(j) for j in range(len(self.drafters))]
+        costs = self._costs()
         if ("verify", self.shape, 1) not in self.memory.costs and None in costs:
             return 0  # calibrate with the cheapest cycles: a plain step, then one draft per drafter
         if None in costs:
@@ -185,27 +185,26 @@ class Gate:
         scale = timed[0][1] / other[0][1]
         return timed + [(q, t * scale) for q, t in other[1:]]
 
-    def _costs(self, j: int = 0):
-        """Estimated seconds of a cycle with k = 0, 1, .. drafts of drafter j, or None before the first
-        measurements.
+    def _costs(self) -> list:
+        """Per drafter, the estimated seconds of a cycle with k = 0, 1, .. of its drafts, or None
+        before its draft pass (or two verify widths) was timed.
 
         Verify widths not timed are interpolated linearly between timed ones, or extrapolated from
         the two widest; k reaches one step past the widest timed verify (width k + 1), no further.
         """
-        t_draft = self.memory.costs.get(("draft", self.draft_shapes[j]))
-        timed = self._verify_costs()
-        if t_draft is None or len(timed) < 2:
-            return None
+        timed = self._verify_costs()  # one verify curve: it is the same whoever drafted
+        if len(timed) < 2:
+            return [None] * len(self.drafters)
         qs, ts = zip(*timed)
-        out = []
-        for k in range(min(self.max_k, qs[-1]) + 1):
-            q = k + 1
+        verify = []
+        for q in range(1, min(self.max_k, qs[-1]) + 2):
             i = min(max(bisect.bisect_left(qs, q), 1), len(qs) - 1)  # the timed pair around (or below) q
-            t_verify = ts[i - 1] + (ts[i] - ts[i - 1]) * (q - qs[i - 1]) / (qs[i] - qs[i - 1])
+            t = ts[i - 1] + (ts[i] - ts[i - 1]) * (q - qs[i - 1]) / (qs[i] - qs[i - 1])
             if q > qs[-1]:  # past the widest timed: never cheaper than it (noisy timings can slope down)
-                t_verify = max(t_verify, ts[-1])
-            out.append(k * t_draft + max(t_verify, 1e-9))
-        return out
+                t = max(t, ts[-1])
+            verify.append(max(t, 1e-9))
+        drafts = [self.memory.costs.get(("draft", shape)) for shape in self.draft_shapes]
+        return [None if d is None else [k * d + t for k, t in enumerate(verify)] for d in drafts]
 
     def observe(self, k: int, n_accepted: list[int], active: list[bool], draft_s: float | None, verify_s: float):
         """Learn from one cycle: k drafts, per-row accepted counts (rows active at its start), pass times."""

@@ -63,7 +63,7 @@ def test_interpolates_unmeasured_verify_costs():
     full = {q: 0.21 + 0.01 * (q - 1) for q in range(1, K + 2)}
     g = gate_with(costs, 0.1, {"x": 0.7, "y": 0.7})
     acc = [0.7, 0.7, 0.7, 1.0]
-    assert g._costs() == pytest.approx([k * 0.1 + full[k + 1] for k in range(K + 1)])
+    assert g._costs()[0] == pytest.approx([k * 0.1 + full[k + 1] for k in range(K + 1)])
     assert g.choose([50] * 4) == brute_force_best(full, 0.1, acc)
 
 
@@ -130,11 +130,11 @@ def test_what_one_adapter_count_measured_serves_another():
     g.set_rows(rows3)
     assert g.choose([50] * 4) == 0  # a plain step: this shape's first measurement
     g.observe(0, [0] * 4, [True] * 4, None, verify_s=0.4)
-    assert g._costs() == pytest.approx([0.4, 0.2 + 0.6, 0.4 + 0.8, 0.6 + 1.0])  # the 2-adapter curve, x2
+    assert g._costs()[0] == pytest.approx([0.4, 0.2 + 0.6, 0.4 + 0.8, 0.6 + 1.0])  # the 2-adapter curve, x2
     assert g.choose([50] * 4) == 0  # decided from it: drafting cannot pay here, no calibration cycle
     other = Gate("auto", K, mem, "__base__", drafters=("/int4",))  # another drafter's costs are its own
     other.set_rows(rows2)
-    assert other._costs() is None
+    assert other._costs()[0] is None
 
 
 def test_rechecks_a_plain_step_while_drafting():
@@ -150,7 +150,7 @@ def test_grows_k_one_step_past_the_widest_timed_verify():
     # Only a plain step and k = 1 were timed; wide verifies look nearly free by extrapolation, but k
     # may reach only 2 (verify width 3) until that width is timed too.
     g = gate_with({1: 0.2, 2: 0.21}, 0.05, {"x": 0.95, "y": 0.95})
-    assert g._costs() == pytest.approx([0.2, 0.05 + 0.21, 0.1 + 0.22])
+    assert g._costs()[0] == pytest.approx([0.2, 0.05 + 0.21, 0.1 + 0.22])
     assert g.choose([50] * 4) == 2
     g.observe(2, [2, 2, 2, 2], [True] * 4, draft_s=0.1, verify_s=0.22)
     assert g.choose([50] * 4) == 3
@@ -158,7 +158,7 @@ def test_grows_k_one_step_past_the_widest_timed_verify():
 
 def test_extrapolated_verify_never_cheaper_than_the_widest_timed():
     g = gate_with({1: 0.2, 2: 0.19}, 0.05, {"x": 0.95, "y": 0.95})  # noise: width 2 timed below width 1
-    assert g._costs()[2] == pytest.approx(0.1 + 0.19)
+    assert g._costs()[0][2] == pytest.approx(0.1 + 0.19)
 
 
 def test_cost_is_the_median_of_recent_timings():
@@ -249,4 +249,4 @@ def test_verify_costs_are_the_same_whoever_drafted():
         g.set_rows(["x", "y"])
     full.observe(0, [0, 0], [True, True], None, verify_s=0.3)
     cheap.observe(1, [1, 1], [True, True], draft_s=0.05, verify_s=0.31)
-    assert cheap._costs()[:2] == pytest.approx([0.3, 0.36]) and full._costs() is None  # no full draft timed
+    assert cheap._costs()[0][:2] == pytest.approx([0.3, 0.36]) and full._costs()[0] is None  # no full draft timed
