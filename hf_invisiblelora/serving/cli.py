@@ -106,6 +106,17 @@ def parse_lora(text: str) -> tuple[str, str]:
     return name, path
 
 
+def draft_dtypes(names):
+    """--draft-dtype's values as Engine(draft_dtype=) takes them: None, a dtype, or a tuple of choices
+    (float32: the model's own precision, None)."""
+    import torch
+
+    if not names:
+        return None
+    dtypes = tuple(None if n == "float32" else getattr(torch, n) for n in names)
+    return dtypes[0] if len(dtypes) == 1 else dtypes
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hf_invisiblelora.serve", description=__doc__.split("\n")[0])
     source = p.add_mutually_exclusive_group(required=True)
@@ -209,13 +220,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def draft_dtypes(names):
-    """--draft-dtype's values as Engine(draft_dtype=) takes them: None, a dtype, or a tuple of choices
-    (float32: the model's own precision, None)."""
-    import torch
-
-    if not names:
-        return None
-    dtypes = tuple(None if n == "float32" else getattr(torch, n) for n in names)
-    return dtypes[0] if len(dtypes) == 1 else dtypes
