@@ -50,6 +50,8 @@ CONFIGS = {
     "gate": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False),
     # The baseline again, as a control: its ratio to the baseline is the run's noise (an A/A test).
     "control": dict(invisible_lora=True, gate="never", compile=False),
+    # The baseline with PyTorch's own linear kernels (no prepacked weights: hf_invisiblelora/prepack.py).
+    "baseline_unpacked": dict(invisible_lora=True, gate="never", compile=False, prepack=False),
     # Cheaper drafters (hf_invisiblelora/drafters.py): the head on a vocabulary from the zoo's training
     # text (--draft-vocab tokens), bfloat16 draft weights, both.
     "gate_vocab": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus"),

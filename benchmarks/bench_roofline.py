@@ -14,6 +14,10 @@ adapters (rows round-robin over min(batch, --adapters) adapters) against a 64-to
 - **bound**: MB read / the machine's read bandwidth (a large fp32 tensor's sum, measured in the run),
   and **x bound**, the pass's time over it.
 
+Our float32 passes are also timed on prepacked linear layers (hf_invisiblelora/prepack.py, the
+default where it applies; "prepacked" rows, interleaved with the others: the before and after of
+one run); --no-prepack leaves them out.
+
     python -P benchmarks/bench_roofline.py --batches 1 4 8 16 --repeats 7
 """
 
@@ -37,7 +41,7 @@ from hf_invisiblelora.drafters import BaseModelDrafter
 from hf_invisiblelora.state import state_of
 
 MATMULS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm",
-           "aten::_weight_int4pack_mm_for_cpu", "aten::mkldnn_linear"}
+           "aten::_weight_int4pack_mm_for_cpu", "aten::mkldnn_linear", "mkldnn::_linear_pointwise"}
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 2 / 576, "int4": 0.5 + 4 / 32}  # + their scales
 
 
@@ -81,6 +85,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--no-prepack", action="store_true",
+                   help="leave out the passes on prepacked weights (prepack.py; each fp32 pass is also timed on them)")
     p.add_argument("--out", default="benchmarks/results/roofline.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -119,12 +125,19 @@ def main(argv=None):
                 fmt[f"draft, {name}"] = f
             steps["LoRA-on step"] = (ours, s.ours(True, 1))
             steps[f"verify {args.verify}"] = (ours, s.ours(True, args.verify))
+            if not args.no_prepack:  # the same passes on prepacked linear layers, interleaved with the others
+                sp = Setup(model, names[:a], batch, config.vocab_size, draft_vocab, prepack=True)
+                packed = sp.installed()
+                steps["draft, full, prepacked"] = (packed, sp.ours(False, 1))
+                steps["draft, vocab 8k head, prepacked"] = sp.drafted("draft_vocab")
+                steps["LoRA-on step, prepacked"] = (packed, sp.ours(True, 1))
+                steps[f"verify {args.verify}, prepacked"] = (packed, sp.ours(True, args.verify))
             t, _ = timed(steps, args.repeats)
             for name, (context, fn) in steps.items():
                 with context():
                     shares = split(fn, max(3, args.repeats // 2))
                 per = BYTES_PER_WEIGHT[fmt.get(name, "fp32")]
-                head_read = head_w * (len(draft_vocab) / config.vocab_size if name == "draft, vocab" else 1)
+                head_read = head_w * (len(draft_vocab) / config.vocab_size if name.startswith("draft, vocab") else 1)
                 read = (linear_w + head_read) * per + kv + (lora_mb if name.startswith(("LoRA", "verify")) else 0)
                 ms, bound = 1000 * t[name], 1000 * read / bw
                 r = dict(batch=batch, adapters=a, name=name, mb=read / 1e6, ms=ms, bound_ms=bound,

@@ -42,6 +42,7 @@ from hf_invisiblelora import layout, zoo
 from hf_invisiblelora.adapters import BankSwitch
 from hf_invisiblelora.drafters import BaseModelDrafter
 from hf_invisiblelora.forward import CompiledForward, EagerForward
+from hf_invisiblelora.prepack import PackedLinears
 from hf_invisiblelora.state import state_of
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
 from common import machine
@@ -61,7 +62,7 @@ class Setup:
     """The passes of one (batch, adapters) point, each a callable timing one step. Made and timed
     inside ``state_of(model).hold()``: the pass contexts' owner check is the model state's."""
 
-    def __init__(self, model, names, batch, vocab, draft_vocab, compiled=False):
+    def __init__(self, model, names, batch, vocab, draft_vocab, compiled=False, prepack=False):
         self.model, self.inner = model, model.get_base_model()
         self.rows = [names[i % len(names)] for i in range(batch)]
         g = torch.Generator().manual_seed(batch)
@@ -69,6 +70,7 @@ class Setup:
         self.next = torch.randint(3, vocab, (batch, 3), generator=g)
         state = state_of(model)
         self.lora = BankSwitch(model, mixed=True)
+        self.packed = PackedLinears(self.inner, state, prepack)  # our eager passes' linear layers (prepack.py)
         self.fwd = EagerForward(self.inner, self.lora, batch, CONTEXT + 8, self.prompt.device, state.mine)
         self.lora.set_rows(self.rows)
         self.start = torch.full((batch,), CONTEXT, dtype=torch.long)
@@ -106,7 +108,12 @@ class Setup:
 
         @contextlib.contextmanager
         def installed():
-            with self.lora.installed(context), drafter.installed(context) if drafter else contextlib.nullcontext():
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(self.lora.installed(context))
+                if not compiled:
+                    stack.enter_context(self.packed.installed(context))
+                if drafter:
+                    stack.enter_context(drafter.installed(context))
                 yield
         return installed
 

@@ -35,6 +35,7 @@ from .forward import backend_for, warmed
 from .layout import prompt_positions
 from .lora import BASE
 from .policies import GeneratePolicy
+from .prepack import check_mode as check_prepack
 from .processors import ScoreHistory, reads_scores, split_criteria, step_outputs
 from .rotary import Recompute, length_dependent, recompute_slot
 from .session import Session, lora_backend as choose_lora_backend
@@ -57,7 +58,7 @@ class InvisibleLoRAOutput(GenerateDecoderOnlyOutput):
 
 
 def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 4, gate: str = "auto",
-             lora_backend: str = "bank", generator=None, compile="auto", draft_vocab=None, draft_dtype=None, **kwargs):
+             lora_backend: str = "bank", generator=None, compile="auto", draft_vocab=None, draft_dtype=None, prepack="auto", **kwargs):
     """Lossless InvisibleLoRA decoding of a PEFT LoRA causal LM; same arguments and output as ``model.generate``.
 
     adapter_names: one adapter per row (``"__base__"`` = no adapter); default: the active adapter.
@@ -79,10 +80,14 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         weight-only torch.int8 / torch.int4 (the CPU; drafters.py); or a tuple of choices (None: full
         precision), among which the gate picks per cycle by measured cost and acceptance. Both
         options make draft passes cheaper where the kernels are fast, and keep the output exact.
+    prepack: the eager passes' float32 linear layers on the CPU run on copies of their weights
+        prepacked for oneDNN (faster matmuls; the weights' size again in memory; prepack.py): "auto"
+        (where the copies fit in half the memory available), True or False.
     With ``return_dict_in_generate=True`` the output has ``.stats`` (DecodingStats); the last
     call's stats are also at ``state_of(model).stats``. Calls on one model run one at a time.
     """
     check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab)
+    check_prepack(prepack)
     check_model(model)
     draft_dtypes = check_draft_dtype(draft_dtype, model.device)
     inner = model.get_base_model()
@@ -164,7 +169,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
             model, state, GeneratePolicy(logits_processor, bool(generation_config.do_sample), generator),
             capacity=b, width=width, mixed=mixed, lora_backend=lora_backend, gate=gate,
             num_draft_tokens=num_draft_tokens, drafters=drafters, compile_backend=backend, length=length,
-            span=b, pad_id=pad_id, eos=None if eos is None else eos.to(input_ids.device),
+            prepack=prepack, span=b, pad_id=pad_id, eos=None if eos is None else eos.to(input_ids.device),
             criteria=stopping.criteria, freeze=stopping.pads, timed=stopping.timed,
             recompute=None if slot is None else Recompute(slot, b), scores=history,
             keep_prefill=want_scores or want_logits,

@@ -60,6 +60,7 @@ from .drafters import (
 )
 from .lora import BASE
 from .policies import RequestPolicy
+from .prepack import check_mode as check_prepack
 from .request import (
     MAX_LOGPROBS,
     MAX_STOP_TOKEN_IDS,
@@ -103,14 +104,16 @@ class Engine:
     def __init__(self, model, max_batch: int = 8, max_len: int = 1024, num_draft_tokens: int = 4,
                  gate: str = "auto", max_queue: int = 1024, max_loras: int | None = None,
                  max_cpu_loras: int | None = None, adapter_paths: dict | None = None, draft_vocab=None,
-                 draft_dtype=None):
+                 draft_dtype=None, prepack="auto"):
         """``max_loras``, ``max_cpu_loras``: the bounds of the module docstring (None: none).
         ``adapter_paths``: {name: local PEFT adapter folder}, for adapters the model has loaded (so
         that they can be evicted and loaded again) and for others, loaded when a request names them.
         ``draft_vocab``, ``draft_dtype``: the drafter's options, as generate() takes them (an int
         vocabulary: the most frequent tokens earlier generate(invisible_lora=True) calls on the
-        model have seen)."""
+        model have seen). ``prepack``: the linear layers on prepacked weight copies, as generate() takes it
+        (prepack.py: checked or made when the engine's thread starts)."""
         check_model(model)
+        check_prepack(prepack)
         check_adapter_state(model, [], mixed=True)  # no dropout in training mode anywhere
         inner = model.get_base_model()
         if any(length_dependent(m) for m in inner.modules()):
@@ -132,6 +135,7 @@ class Engine:
                                  "this model have seen, and there were none; pass a list of token ids.")
             draft_vocab = (draft_vocab, size)
         self.draft_vocab, self.draft_dtypes = draft_vocab, check_draft_dtype(draft_dtype, inner.device)
+        self.prepack = prepack
         self.error = None  # what stopped the engine's thread, if it failed
         limit = getattr(inner.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.max_positions = limit
@@ -301,7 +305,8 @@ class Engine:
         drafters = [BaseModelDrafter(self.inner, self.state, vocab, d, size=size) for d in self.draft_dtypes]
         return Session(self.model, self.state, self._policy, capacity=self.max_batch, width=self.max_len, mixed=True,
                        lora_backend=lora_backend(self.model, self.model.peft_config), gate=self.gate_mode,
-                       num_draft_tokens=self.num_draft_tokens, drafters=drafters, pad_id=self.pad_id, history=False,
+                       num_draft_tokens=self.num_draft_tokens, drafters=drafters, prepack=self.prepack,
+                       pad_id=self.pad_id, history=False,
                        eos=torch.full((self.max_batch, max(len(self.eos_ids), 1)), -1, device=self.inner.device))
 
     def _run(self) -> None:

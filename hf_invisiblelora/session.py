@@ -24,6 +24,7 @@ from .drafters import BaseModelDrafter
 from .forward import CompiledForward, EagerForward
 from .gate import Gate
 from .lora import BASE
+from .prepack import PackedLinears
 from .rotary import StepRotary
 
 logger = logging.getLogger("hf_invisiblelora")
@@ -44,13 +45,14 @@ class Session:
     of ``width`` slots; ``mixed``: rows name their adapters (PEFT's mixed-batch path, as
     ``adapter_names=`` takes it), else the model's active adapter; ``drafters``: default the base
     model as it is (several: the gate picks one per cycle); ``compile_backend``: None (eager), "inductor" or "cuda_graphs" (forward.py),
-    in the bucket of ``length`` slots if given; the other keywords go to the Decoder."""
+    in the bucket of ``length`` slots if given; ``prepack``: the eager passes' linear layers on
+    prepacked weights ("auto", True, False: prepack.py); the other keywords go to the Decoder."""
 
     def __init__(self, model, state, policy, *, capacity: int, width: int, mixed: bool, lora_backend: str = "bank",
                  gate: str = "auto", num_draft_tokens: int = 4, drafters=None, compile_backend=None, length=None,
-                 **decoder_options):
+                 prepack="auto", **decoder_options):
         inner = model.get_base_model()
-        self.mixed = mixed
+        self.inner, self.state, self.mixed = inner, state, mixed
         lora = SWITCHES[lora_backend](model, mixed)
         self.drafters = drafters or [BaseModelDrafter(inner, state)]
         if compile_backend is None:
@@ -61,6 +63,8 @@ class Session:
         self.gate = Gate(gate, num_draft_tokens, state.gate, BASE, passes=compile_backend or "eager",
                          drafters=tuple(d.key for d in self.drafters))
         self.rotary = StepRotary(inner, self.fwd.layout)
+        # Compiled passes trace the layers as they are: Inductor lays out weights its own way.
+        self.packed = PackedLinears(inner, state, prepack) if compile_backend is None else None
         self.decoder = Decoder(self.fwd, lora, policy, self.gate, self.drafters, capacity=capacity,
                                **decoder_options)
 
@@ -70,6 +74,8 @@ class Session:
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.decoder.lora.installed(context))
             stack.enter_context(self.rotary.installed())
+            if self.packed is not None:  # before the drafters: their layers replace these in their passes
+                stack.enter_context(self.packed.installed(context))
             for drafter in self.drafters:
                 stack.enter_context(drafter.installed(context))
             yield self.decoder
@@ -78,3 +84,5 @@ class Session:
         """A new LoRA switch after the model's adapters changed (a new bank: its slots may move);
         the rows in flight go on. Call outside ``installed()``."""
         self.decoder.set_lora(SWITCHES[lora_backend](model, self.mixed))
+        if self.packed is not None:  # the layers may have changed too: PEFT wraps the ones a new adapter targets
+            self.packed = PackedLinears(self.inner, self.state, self.packed.mode)

@@ -32,10 +32,13 @@ class ModelState:
     stats: object = None  # stats.DecodingStats of the last call
     drafter: dict = field(default_factory=dict)  # drafters.py: token counts, derived weight copies
     layers: tuple | None = None  # (peft_config items, [(name, LoRA layer)], [every module]): lora._walk
+    packed: dict = field(default_factory=dict)  # prepack.py: prepacked weight copies per linear layer
 
     def clear(self) -> None:
-        """Forget the bank, the gate's measurements, the compiled passes, the last stats and the drafter's data."""
+        """Forget the bank, the gate's measurements, the compiled passes, the last stats, the drafter's data
+        and the prepacked weights."""
         self.bank, self.gate, self.buckets, self.stats, self.drafter, self.layers = None, GateMemory(), {}, None, {}, None
+        self.packed = {}
 
     def mine(self) -> bool:
         return self.owner == threading.get_ident()

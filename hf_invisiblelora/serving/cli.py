@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-dtype", nargs="+", choices=("float32", "bfloat16", "float16", "int8", "int4"),
                    help="the drafter's linear layers in this dtype (int8 / int4: weight-only, the CPU); several "
                         "(e.g. float32 int8 int4; float32: the model's own precision): the gate picks one per cycle")
+    p.add_argument("--prepack", default="auto", choices=("auto", "on", "off"),
+                   help="float32 linear layers on weight copies prepacked for oneDNN (the CPU: faster matmuls, the "
+                        "weights' size again in memory); auto: where the copies fit in half the memory available")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: OMP_NUM_THREADS, else the free CPUs)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -201,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, num_draft_tokens=args.num_draft_tokens,
                     gate=args.gate, max_queue=args.max_queue, max_loras=args.max_loras,
                     max_cpu_loras=args.max_cpu_loras, adapter_paths=adapter_paths,
-                    draft_dtype=draft_dtypes(args.draft_dtype)).start()
+                    draft_dtype=draft_dtypes(args.draft_dtype),
+                    prepack={"auto": "auto", "on": True, "off": False}[args.prepack]).start()
     lora_roots = [os.path.realpath(root) for root in args.lora_root]
     server = Server(engine, tokenizer, model_id, root, adapter_paths, api_key=args.api_key,
                     runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,

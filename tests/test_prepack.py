@@ -1,0 +1,168 @@
+"""Prepacked linear layers (prepack.py, kernels/packed_linear.py): the same matmul up to float32
+rounding, routed only in our passes, and never used after their weight changed, by any route."""
+
+import pytest
+import torch
+
+import hf_invisiblelora  # noqa: F401
+from hf_invisiblelora import prepack
+from hf_invisiblelora.kernels import packed_linear
+from hf_invisiblelora.state import state_of
+from tiny import all_near_ties, divergences, prompts, tiny_peft
+
+pytestmark = pytest.mark.skipif(not packed_linear.available(torch.float32, torch.device("cpu")),
+                                reason="this PyTorch build has no oneDNN")
+
+ROWS = ["s", "b", "__base__", "c", "d", "s"]
+LENGTHS = [5, 9, 3, 7, 9, 1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kernel_matches_linear(seed):
+    """Random shapes, with and without bias, 1-3 dimensional and strided inputs, 0 to 300 rows."""
+    g = torch.Generator().manual_seed(seed)
+    out_f, in_f = (int(v) for v in torch.randint(1, 200, (2,), generator=g))
+    w = torch.randn(out_f, in_f, generator=g)
+    bias = torch.randn(out_f, generator=g) if seed % 2 else None
+    packed = packed_linear.pack(w)
+    for shape in [(in_f,), (0, in_f), (1, in_f), (7, in_f), (300, in_f), (2, 5, in_f)]:
+        x = torch.randn(*shape, generator=g)
+        ref = torch.nn.functional.linear(x, w, bias)
+        got = packed_linear.linear(x, packed, bias)
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * in_f ** 0.5)
+    x = torch.randn(in_f, 6, generator=g).T  # a transposed input
+    torch.testing.assert_close(packed_linear.linear(x, packed, bias), torch.nn.functional.linear(x, w, bias),
+                               rtol=1e-5, atol=1e-5 * in_f ** 0.5)
+
+
+def fp32_model(seed=0):
+    return tiny_peft("llama", strength=0.6, seed=seed, dtype=torch.float32)
+
+
+def greedy(model, ids, mask, **kw):
+    return model.generate(input_ids=ids, attention_mask=mask, adapter_names=ROWS, do_sample=False, max_new_tokens=10,
+                          pad_token_id=0, **kw)
+
+
+def counted(monkeypatch):
+    calls = []
+    real = packed_linear.linear
+    monkeypatch.setattr(packed_linear, "linear", lambda x, p, b: calls.append(x.shape) or real(x, p, b))
+    return calls
+
+
+def linears(model):
+    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+
+@pytest.mark.parametrize("gate", ["never", "always"])
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_tokens_as_stock(monkeypatch, gate, seed):
+    """Every linear layer (base layers, the head) runs on its copy in our passes; the tokens are
+    stock's, or leave them only at near ties of stock's float32 logits."""
+    model = fp32_model(seed)
+    ids, mask = prompts(LENGTHS, seed=seed)
+    stock = greedy(model, ids, mask, output_logits=True, return_dict_in_generate=True)
+    calls = counted(monkeypatch)
+    ours = greedy(model, ids, mask, invisible_lora=True, gate=gate, num_draft_tokens=3, prepack=True)
+    assert len(state_of(model).packed) == len(linears(model))
+    assert len(calls) >= len(linears(model))
+    assert all_near_ties(divergences(model, ROWS, stock, ours, mask, ids.shape[1]))
+    assert not any("forward" in vars(m) for m in model.modules())  # nothing left installed
+
+
+def test_off_and_where_it_does_not_apply(monkeypatch):
+    calls = counted(monkeypatch)
+    model = fp32_model()
+    ids, mask = prompts(LENGTHS)
+    greedy(model, ids, mask, invisible_lora=True, prepack=False)
+    assert not calls and not state_of(model).packed
+    model64 = tiny_peft("llama", strength=0.6)  # float64: oneDNN has no float64 matmul
+    ref = greedy(model64, ids, mask)
+    assert torch.equal(greedy(model64, ids, mask, invisible_lora=True, prepack=True), ref)
+    assert not calls and not state_of(model64).packed
+
+
+def test_auto_leaves_them_out_without_the_memory(monkeypatch):
+    calls = counted(monkeypatch)
+    model = fp32_model()
+    ids, mask = prompts(LENGTHS)
+    monkeypatch.setattr(prepack, "_available_bytes", lambda: 1000)
+    greedy(model, ids, mask, invisible_lora=True)
+    assert not calls and not state_of(model).packed
+    monkeypatch.setattr(prepack, "_available_bytes", lambda: 2**40)
+    greedy(model, ids, mask, invisible_lora=True)
+    assert calls and state_of(model).packed
+
+
+def test_only_our_passes_use_them(monkeypatch):
+    """A processor calling the model between our passes gets the layers as they are."""
+    model = fp32_model()
+    ids, mask = prompts(LENGTHS)
+    calls = counted(monkeypatch)
+    seen = []
+
+    class Probe:
+        def __call__(self, input_ids, scores):
+            before = len(calls)
+            model(input_ids=input_ids[:1], adapter_names=["s"])
+            seen.append(len(calls) - before)
+            return scores
+
+    from transformers import LogitsProcessorList
+
+    greedy(model, ids, mask, invisible_lora=True, gate="never", prepack=True, logits_processor=LogitsProcessorList([Probe()]))
+    assert calls and seen and not any(seen)
+
+
+def _edit_data(w):
+    w.data[0, 0] += 0.5  # bumps no version counter
+
+
+def _edit_in_place(w):
+    with torch.no_grad():
+        w[:, :3] *= -2
+
+
+def _edit_load_state_dict(w, model):
+    name = next(n for n, p in model.named_parameters() if p is w)
+    state = {name: torch.randn_like(w)}
+    model.load_state_dict(state, strict=False)
+
+
+def _edit_replace(w, model):
+    m = next(m for m in model.modules() if m._parameters.get("weight") is w)
+    m.weight = torch.nn.Parameter(w.detach() * -1)
+
+
+def _edit_swap_rows(w):
+    w.data[[0, 1]] = w.data[[1, 0]].clone()
+
+
+@pytest.mark.parametrize("edit", [_edit_data, _edit_in_place, _edit_load_state_dict, _edit_replace, _edit_swap_rows])
+@pytest.mark.parametrize("layer", ["head", "base"])
+def test_a_changed_weight_is_packed_again(edit, layer):
+    """After any edit of a weight, the next call decodes with the edited weight: as stock does."""
+    model = fp32_model()
+    inner = model.get_base_model()
+    ids, mask = prompts(LENGTHS)
+    greedy(model, ids, mask, invisible_lora=True, prepack=True)
+    m = {"head": inner.lm_head, "base": inner.model.layers[0].self_attn.q_proj.base_layer}[layer]
+    before = dict(state_of(model).packed)
+    w = m.weight
+    edit(w, model) if edit in (_edit_load_state_dict, _edit_replace) else edit(w)
+    stock = greedy(model, ids, mask, output_logits=True, return_dict_in_generate=True)
+    ours = greedy(model, ids, mask, invisible_lora=True, prepack=True)
+    after = state_of(model).packed
+    assert after[id(m)].packed is not before[id(m)].packed
+    assert sum(after[k].packed is before[k].packed for k in after) == len(after) - 1  # the others kept
+    assert all_near_ties(divergences(model, ROWS, stock, ours, mask, ids.shape[1]))
+
+
+def test_bad_option():
+    model = fp32_model()
+    ids, mask = prompts(LENGTHS)
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="prepack must be"):
+            greedy(model, ids, mask, invisible_lora=True, prepack=bad)
