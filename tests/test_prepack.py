@@ -166,3 +166,40 @@ def test_bad_option():
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="prepack must be"):
             greedy(model, ids, mask, invisible_lora=True, prepack=bad)
+
+
+def test_engine_keeps_them_through_adapter_changes(monkeypatch, tmp_path):
+    """The serving engine packs at its start and again after each adapter change (PEFT wraps the
+    layers a new adapter targets); its requests decode as stock's."""
+    from hf_invisiblelora.engine import Engine, Request
+
+    model = tiny_peft("llama", adapters=("s",), strength=0.6, dtype=torch.float32)
+    donor = tiny_peft("llama", adapters=("d",), strength=0.6, seed=5, dtype=torch.float32)
+    donor.save_pretrained(tmp_path)
+    path = tmp_path / "d" if (tmp_path / "d").exists() else tmp_path
+    calls = counted(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+
+    def check(engine, adapter):
+        prompt = torch.randint(2, 64, (5,), generator=g).tolist()
+        out = engine.submit(Request(prompt, adapter=adapter, max_tokens=8, temperature=0)).result(60)
+        ids = torch.tensor([prompt])
+        stock = model.generate(input_ids=ids, adapter_names=[adapter], max_new_tokens=8, do_sample=False,
+                               output_logits=True, return_dict_in_generate=True)
+        ours = torch.tensor([prompt + out])
+        assert all_near_ties(divergences(model, [adapter], stock, ours, torch.ones_like(ids), len(prompt)))
+
+    engine = Engine(model, max_batch=2, max_len=64, num_draft_tokens=2, gate="always", prepack=True).start()
+    try:
+        check(engine, "s")
+        before = len(calls)
+        assert before
+        engine.load_adapter("new", str(path))
+        check(engine, "new")
+        assert len(calls) > before
+        assert {id(m) for m in linears(model)} == set(state_of(model).packed)
+        engine.unload_adapter("new")
+        check(engine, "s")
+        assert engine.error is None
+    finally:
+        engine.stop()
