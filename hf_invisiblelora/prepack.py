@@ -37,11 +37,8 @@ from .state import forwards
 
 logger = logging.getLogger("hf_invisiblelora")
 
-MODES = ("auto", True, False)
-
-
 def check_mode(mode) -> None:
-    if not any(mode is m or mode == m and type(mode) is type(m) for m in MODES):
+    if not (mode is True or mode is False or isinstance(mode, str) and mode == "auto"):
         raise ValueError(f"prepack must be 'auto', True or False, got {mode!r}.")
 
 
@@ -93,7 +90,7 @@ class PackedLinears:
         if not modules:
             state.packed = {}
             return
-        kept = state.packed or {}
+        kept = state.packed
         new = sum(m.weight.numel() * 4 for m in modules if id(m) not in kept)
         room = _available_bytes()
         if mode == "auto" and new and room is not None and 2 * new > room:
