@@ -17,11 +17,13 @@ One decode step of every row against a 64-token cache, on a real model with its 
 - with --copied-kv: our draft and LoRA-on passes (and compiled ones with --compiled) again with
   the key/value heads copied per query head as Transformers does (repeat_kv) instead of read in
   place (layout._use_gqa, inside our passes): the A/B of that choice, in the same interleaved rounds;
+- with --prepack: our eager passes on prepacked linear layers (prepack.py, generate()'s default where
+  it applies; compiled passes never use them);
 - bound: base step x (base weight bytes + the batch's distinct adapters' bytes) / base weight bytes,
   what reading the weights alone would add.
 
     python benchmarks/bench_step.py [--model smollm2|gemma3] [--batches 1 4 8 16] [--adapters 1 4 12] [--repeats 7]
-                                    [--draft-vocab 8192] [--compiled] [--copied-kv]
+                                    [--draft-vocab 8192] [--compiled] [--copied-kv] [--prepack]
 """
 
 from __future__ import annotations
@@ -181,6 +183,7 @@ def main(argv=None):
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--compiled", action="store_true", help="also time the compiled passes (compile=True)")
     p.add_argument("--copied-kv", action="store_true", help="also time our passes with repeat_kv copies (A/B)")
+    p.add_argument("--prepack", action="store_true", help="our eager passes on prepacked linear layers (prepack.py)")
     p.add_argument("--out", default="benchmarks/results/step.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -189,7 +192,7 @@ def main(argv=None):
     weights = base_bytes(model.get_base_model())
     draft_vocab = zoo.corpus_vocabulary(args.model, tok, args.draft_vocab)
     results = []
-    print(f"{args.model}: {len(names)} adapters; CPU {machine()}, "
+    print(f"{args.model}: {len(names)} adapters; eager passes {'prepacked' if args.prepack else 'on F.linear'}; CPU {machine()}, "
           f"{torch.get_num_threads()} threads; ms per step, medians of {args.repeats}")
     compiled = ["draft_c", "lora_c", "verify3_c"] if args.compiled else []
     print("| batch | adapters | base step | draft pass | draft, vocab | draft, bf16 | LoRA-on step (x base) | "
@@ -201,7 +204,7 @@ def main(argv=None):
             if a > batch or a > len(names):
                 continue
             with state_of(model).hold():
-                s = Setup(model, names[:a], batch, vocab, draft_vocab, args.compiled)
+                s = Setup(model, names[:a], batch, vocab, draft_vocab, args.compiled, args.prepack)
                 active = set(s.rows)
                 bound = (weights + sum(adapter_bytes(model, n) for n in active)) / weights
                 ours, off, plain = s.installed(), model.disable_adapter, contextlib.nullcontext

@@ -216,6 +216,14 @@ class Engine:
     def queue_length(self) -> int:
         return len(self._waiting)
 
+    def adapters_in_use(self) -> tuple[list[str], list[str]]:
+        """(the adapters of the requests in rows, those of the waiting requests), each name once in
+        order of first use, the base model's rows left out: what a router reads for adapter affinity."""
+        with self._wake:
+            waiting = [h.request.adapter for h in self._waiting]
+        running = [h.request.adapter for h in list(self._in_row) if h is not None]
+        return [list(dict.fromkeys(a for a in names if a != BASE)) for names in (running, waiting)]
+
     def running(self) -> int:
         return sum(h is not None for h in self._in_row)
 

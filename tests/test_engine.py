@@ -508,6 +508,55 @@ def test_failures_are_in_the_metrics_endpoint(model):
     assert values["hf_invisiblelora_failed_requests_total"] == 3
 
 
+def test_vllm_metrics_show_the_running_and_waiting_adapters(model):
+    """/metrics carries vLLM's names for the queue and the adapters in use, as a router reads them:
+    with the engine held inside a delivery (one row, "s" decoding; "b", the base model and "b" again
+    waiting), the counts, the comma-separated adapter names (each once, the base model left out), and
+    max_lora (one per row when max_loras is not set)."""
+    pytest.importorskip("fastapi")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hf_invisiblelora.serving.metrics import Metrics
+
+    reached, release = threading.Event(), threading.Event()
+
+    def pause(tokens):
+        reached.set()
+        assert release.wait(30)
+
+    def scrape(metrics):
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(metrics.render()[0].decode()) for s in f.samples}
+
+    engine = Engine(model, max_batch=1, max_len=32, num_draft_tokens=2).start()
+    metrics, tiny = Metrics(engine, "tiny"), (("engine", "0"), ("model_name", "tiny"))
+    try:
+        idle = scrape(metrics)
+        assert idle[("vllm:num_requests_running", tiny)] == idle[("vllm:num_requests_waiting", tiny)] == 0
+        assert ("vllm:lora_requests_info", (("max_lora", "1"), ("running_lora_adapters", ""),
+                                            ("waiting_lora_adapters", ""))) in idle
+        first = engine.submit(Request([3, 4, 5], adapter="s", max_tokens=4, temperature=0, on_tokens=pause))
+        assert reached.wait(30)
+        others = [engine.submit(Request([3, 4], adapter=a, max_tokens=2, temperature=0)) for a in ("b", "__base__", "b")]
+        busy, now = scrape(metrics), time.time()
+        assert busy[("vllm:num_requests_running", tiny)] == 1 and busy[("vllm:num_requests_waiting", tiny)] == 3
+        assert busy[("vllm:kv_cache_usage_perc", tiny)] == 1.0
+        stamp = busy[("vllm:lora_requests_info", (("max_lora", "1"), ("running_lora_adapters", "s"),
+                                                  ("waiting_lora_adapters", "b")))]
+        assert now - 5 < stamp <= now  # vLLM's value: the time of the scrape
+    finally:
+        release.set()
+    try:
+        assert first.result(30) == standalone(model, [3, 4, 5], "s", 4)
+        for a, h in zip(("b", "__base__", "b"), others):
+            assert h.result(30) == standalone(model, [3, 4], a, 2)
+        with_bound = Metrics(Engine(model, max_batch=4, max_len=32, max_loras=2), "tiny")
+        assert ("vllm:lora_requests_info", (("max_lora", "2"), ("running_lora_adapters", ""),
+                                            ("waiting_lora_adapters", ""))) in scrape(with_bound)
+    finally:
+        engine.stop()
+
+
 # --- bounded adapters: max_loras, max_cpu_loras, eviction and loading on demand ---
 
 

@@ -262,6 +262,17 @@ def test_concurrent_mixed_adapters_equal_generate(server, client, reference):
     assert after[("hf_invisiblelora_draft_tokens_per_cycle_bucket", (("le", "2.0"),))] == \
         after[("hf_invisiblelora_draft_tokens_per_cycle_count", ())]
     assert after[("hf_invisiblelora_http_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] >= 32
+    # vLLM's names for the same quantities (what cluster routers read): idle now; one time to first
+    # token per completion; a time per output token for each request with tokens after its first.
+    vllm = (("engine", "0"), ("model_name", BASE_ID))
+    assert after[("vllm:num_requests_running", vllm)] == after[("vllm:num_requests_waiting", vllm)] == 0
+    assert ("vllm:lora_requests_info", (("max_lora", "4"), ("running_lora_adapters", ""),
+                                        ("waiting_lora_adapters", ""))) in after
+    for name, count in (("vllm:time_to_first_token_seconds_count", 32),
+                        ("vllm:time_per_output_token_seconds_count", sum(len(t) > 1 for t, _ in expected)),
+                        ("hf_invisiblelora_time_per_output_token_seconds_count", sum(len(t) > 1 for t, _ in expected))):
+        key = (name, vllm) if name.startswith("vllm") else (name, ())
+        assert after[key] - before.get(key, 0) == count, name
 
 
 def test_stop_strings(client, reference):

@@ -33,6 +33,8 @@ class Job:
         self.offset = len(prefix)  # text_offset of the next token (completions' logprobs)
         self.logprobs_sent = 0
         self.shown = 0  # tokens the event loop has been handed (usage so far)
+        # (when the first chunk came, when the last did, tokens since the first chunk): time per output token
+        self.token_times = None
         self.handle = server.engine.submit(request)  # ValueError for a bad request
         server.in_flight[request.id] = self
         threading.Thread(target=self._pump, name=f"hf_invisiblelora-request-{request.id}", daemon=True).start()
@@ -42,6 +44,9 @@ class Job:
             for chunk in self.handle:
                 if self.failed or self.text.stopped:
                     continue  # tokens committed before the cancellation took effect
+                now = time.perf_counter()
+                first, _, n = self.token_times or (now, now, -len(chunk))
+                self.token_times = (first, now, n + len(chunk))
                 try:
                     delta = self.text.add(chunk)
                 except Exception:  # noqa: BLE001 - only this request is involved
@@ -103,6 +108,9 @@ class Job:
         if self.server.in_flight.pop(self.handle.request.id, None) is not None:
             self.server.metrics.finished.labels(reason).inc()
             self.server.metrics.latency.observe(time.perf_counter() - self.start)
+            first, last, n = self.token_times or (0, 0, 0)
+            if n > 0:
+                self.server.metrics.per_output_token((last - first) / n)
 
 
 def _finite(logprob: float) -> float:
@@ -129,7 +137,7 @@ class Completion:
                 continue
             if self.first_token_s is None:
                 self.first_token_s = time.perf_counter() - self.jobs[0].start
-                self.jobs[0].server.metrics.ttft.observe(self.first_token_s)
+                self.jobs[0].server.metrics.first_token(self.first_token_s)
             job.shown = item[1]
             yield job, *item
 

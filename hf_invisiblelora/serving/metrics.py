@@ -1,10 +1,22 @@
-"""Prometheus metrics of a server: its own and the engine's, read at scrape time."""
+"""Prometheus metrics of a server: its own and the engine's, read at scrape time; and the same
+quantities under vLLM's names, which cluster routers read (the Gateway API Inference Extension's
+endpoint picker, llm-d): queue and running counts, the adapters in use (``vllm:lora_requests_info``),
+time to first token and per output token."""
 
 from __future__ import annotations
 
+import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+
+# vLLM's histogram buckets for the two latencies (vllm/v1/metrics/loggers.py), so dashboards built
+# on its quantiles read the same.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0)
 
 
 class Metrics:
@@ -15,6 +27,7 @@ class Metrics:
         self.engine, self.model_id = engine, model_id
         self.registry = CollectorRegistry()
         self.registry.register(self)
+        self.vllm = {"model_name": model_id, "engine": "0"}  # the labels vLLM puts on its engine's series
         self.http = Counter("hf_invisiblelora_http_requests", "HTTP requests by endpoint and status code.",
                             ["endpoint", "status"], registry=self.registry)
         self.finished = Counter("hf_invisiblelora_requests_finished",
@@ -27,6 +40,25 @@ class Metrics:
                               "From submission to the first committed tokens.", buckets=buckets, registry=self.registry)
         self.latency = Histogram("hf_invisiblelora_request_latency_seconds",
                                  "From submission to the end of the request.", buckets=buckets, registry=self.registry)
+        self.tpot = Histogram("hf_invisiblelora_time_per_output_token_seconds",
+                              "Per request: from its first committed tokens to its last, per token after the first.",
+                              buckets=buckets, registry=self.registry)
+        labels = list(self.vllm)
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                                   labels, buckets=VLLM_TTFT_BUCKETS, registry=self.registry).labels(**self.vllm)
+        self.vllm_tpot = Histogram("vllm:time_per_output_token_seconds",
+                                   "Histogram of time per output token in seconds.", labels,
+                                   buckets=VLLM_TPOT_BUCKETS, registry=self.registry).labels(**self.vllm)
+
+    def first_token(self, seconds: float) -> None:
+        """A completion's time to first token, under both names."""
+        self.ttft.observe(seconds)
+        self.vllm_ttft.observe(seconds)
+
+    def per_output_token(self, seconds: float) -> None:
+        """A finished request's time per output token (after the first), under both names."""
+        self.tpot.observe(seconds)
+        self.vllm_tpot.observe(seconds)
 
     def snapshot(self) -> dict:
         return self.engine.metrics_snapshot()
@@ -71,6 +103,28 @@ class Metrics:
         yield HistogramMetricFamily("hf_invisiblelora_draft_tokens_per_cycle",
                                     "Tokens drafted per cycle (k; 0: a plain step), as the gate chose.",
                                     buckets=buckets, sum_value=sum(k * n for k, n in hist.items()))
+        yield from self.vllm_families()
+
+    def vllm_families(self):
+        """vLLM's gauges for the same quantities, labelled as vLLM labels them. ``vllm:lora_requests_info``
+        is vLLM's: its value the time of the scrape, its labels the adapters of the running and the waiting
+        requests (comma-separated names) and ``max_lora``, the most distinct adapters one pass serves
+        (``max_loras``, else one per row); ``vllm:kv_cache_usage_perc`` is the share of the cache's rows
+        held by requests (a row holds ``max_len`` slots whatever its length)."""
+        engine, labels = self.engine, list(self.vllm)
+        running, waiting = engine.adapters_in_use()
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Number of requests in model execution batches.", engine.running()),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", engine.queue_length()),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 engine.running() / engine.max_batch)):
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(list(self.vllm.values()), value)
+            yield family
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"])
+        family.add_metric([",".join(running), str(engine.max_loras or engine.max_batch), ",".join(waiting)], time.time())
+        yield family
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
