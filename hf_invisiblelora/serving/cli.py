@@ -117,7 +117,8 @@ def draft_dtypes(names):
     return dtypes[0] if len(dtypes) == 1 else dtypes
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The server's options (the Ray Serve application takes the same: ray_app.py)."""
     p = argparse.ArgumentParser(prog="python -m hf_invisiblelora.serve", description=__doc__.split("\n")[0])
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="base model folder (AutoModelForCausalLM.from_pretrained)")
@@ -157,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="the largest request body (413 above)")
     p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT,
                    help="on SIGTERM, seconds for the requests in flight to finish before they are ended")
+    return p
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked (a wrong one exits with argparse's usage error)."""
+    p = parser()
     args = p.parse_args(argv)
     if args.api_key is not None and not (args.api_key.isascii() and args.api_key.isprintable()
                                          and args.api_key.strip() == args.api_key != ""):
@@ -165,13 +172,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-body-bytes must be >= 1 and --shutdown-timeout >= 0")
     if any(v is not None and v < 1 for v in (args.max_loras, args.max_cpu_loras)):
         p.error("--max-loras and --max-cpu-loras must be >= 1")
+    return args
 
-    import torch
 
+def build_server(args: argparse.Namespace) -> Server | int:
+    """The Server of ``args`` (the model and adapters loaded, the engine started), or the exit code of
+    what is missing (printed)."""
     from ..engine import Engine
     from ..threads import set_threads
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     problems = [missing(f"--lora {name}={path}", path, "adapter_config.json", "a PEFT adapter folder")
                 for name, path in args.lora]
     if args.model:
@@ -207,10 +216,19 @@ def main(argv: list[str] | None = None) -> int:
                     draft_dtype=draft_dtypes(args.draft_dtype),
                     prepack={"auto": "auto", "on": True, "off": False}[args.prepack]).start()
     lora_roots = [os.path.realpath(root) for root in args.lora_root]
-    server = Server(engine, tokenizer, model_id, root, adapter_paths, api_key=args.api_key,
-                    runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,
-                    max_body_bytes=args.max_body_bytes)
-    logger.info("serving %s with adapters %s on http://%s:%d; %s; runtime adapter loading %s", model_id,
+    return Server(engine, tokenizer, model_id, root, adapter_paths, api_key=args.api_key,
+                  runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,
+                  max_body_bytes=args.max_body_bytes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = build_server(args)
+    if isinstance(server, int):
+        return server
+    engine, lora_roots = server.engine, server.lora_roots
+    logger.info("serving %s with adapters %s on http://%s:%d; %s; runtime adapter loading %s", server.model_id,
                 engine.adapters(), args.host, args.port, "API key required" if args.api_key else "no API key",
                 f"on, from {lora_roots or 'any folder'}" if args.allow_runtime_lora_updating else "off")
     # The drain (Graceful) has ended every request when uvicorn's own graceful shutdown starts: its
