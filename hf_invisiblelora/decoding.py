@@ -197,10 +197,14 @@ class Decoder:
         self.drafted, self.accepted, self.row_cycles = [0] * capacity, [0] * capacity, [0] * capacity
         self.scores, self.keep_prefill, self.prefill_logits = scores, keep_prefill, None
 
-    def admit(self, idx: list[int], input_ids, attention_mask, positions, max_new: list[int], names: list[str]):
+    def admit(self, idx: list[int], input_ids, attention_mask, positions, max_new: list[int], names: list[str],
+              upto: int | None = None):
         """Rows ``idx`` start on ``input_ids`` [n, P] (left-padded; ``attention_mask`` and
-        ``positions`` as generate() gives them): one prefill of those rows with LoRA on, whose last
-        position gives each its first token. Returns the tokens kept per row (host list, all rows)."""
+        ``positions`` as generate() gives them), prefilled with LoRA on: the whole prompt in one pass
+        (``upto`` None), whose last position gives each its first token; or its slots [0, upto) only
+        (0: none yet), a chunked prefill that ``prefill`` continues (``chunkable`` models only).
+        Returns the tokens kept per row (host list, all rows), or None while the prompt is not all
+        prefilled."""
         p = input_ids.shape[1]
         for r, name in zip(idx, names):
             self.names[r] = name
@@ -208,18 +212,42 @@ class Decoder:
         self._rows_changed()
         self.batch.load(idx, input_ids, max_new)
         self.fwd.layout.load(idx, attention_mask, positions, [p + m - 2 for m in max_new])
-        sub = torch.tensor(idx, device=input_ids.device)
-        logits = self.fwd(input_ids, torch.zeros_like(sub), p, keep=1, prefix=p, rows=sub)
+        if upto == 0:
+            for r in idx:
+                self.batch.done_h[r] = True  # waiting for its chunks (prefill)
+            return None
+        return self.prefill(idx, 0, p if upto is None else min(upto, p))
+
+    @property
+    def chunkable(self) -> bool:
+        """A prompt may be prefilled in chunks with the same result: no cache layer keeps a window of
+        keys (standard decoding's one prompt pass attends past it; a later chunk could not)."""
+        return all(config.invisiblelora.window is None for _, config in self.fwd.layout.makers.values())
+
+    def prefill(self, idx: list[int], start: int, end: int):
+        """Prompt slots [start, end) of rows ``idx`` (admitted together) through one LoRA-on pass,
+        attending to the slots before ``start`` as a verify pass does. Until the prompt's end the rows
+        wait (done: cycles leave them out; the slots a cycle writes for a waiting row are at and past
+        its last prompt slot, which its last chunk writes again) and None is returned; the last chunk
+        gives each row its first token, as admit() describes."""
+        batch, p = self.batch, self.batch.plen_h[idx[0]]
+        sub = torch.tensor(idx, device=batch.tokens.device)
+        logits = self.fwd(batch.tokens[sub, start:end], sub.new_full((len(idx),), start), end, keep=1,
+                          prefix=p if (start, end) == (0, p) else None, rows=sub)
+        for r in idx:
+            batch.done_h[r] = end < p
+        if end < p:
+            return None
         if self.keep_prefill:  # a copy: processors may edit their input in place
             self.prefill_logits = logits[:, -1].to(torch.float32, copy=True)
-        scores = self.policy.scores(self.batch, sub, logits, offset=0, target=True)
+        scores = self.policy.scores(batch, sub, logits, offset=0, target=True)
         if self.scores is not None:
             self.scores.record(sub, [0] * len(idx), scores)
-        n, next_token = self.policy.accept(self.batch.tokens.new_zeros(len(idx), 0), None, scores, self.batch, sub)
+        n, next_token = self.policy.accept(batch.tokens.new_zeros(len(idx), 0), None, scores, batch, sub)
         hi = max(idx) + 1
         full_n, full_next = n.new_zeros(hi), n.new_zeros(hi)
         full_n[sub], full_next[sub] = n, next_token
-        kept, _ = commit(self.batch, hi, full_n, full_next, 0, self.eos, self.criteria, self.freeze, members=idx,
+        kept, _ = commit(batch, hi, full_n, full_next, 0, self.eos, self.criteria, self.freeze, members=idx,
                          timed=self.timed, scores=self.scores)
         return kept
 

@@ -13,7 +13,10 @@ serving/ runs on it; it is a plain object and needs no HTTP).
 Each cycle the engine admits waiting requests into free rows (a prefill of those rows: one per
 group of them whose prompts, left-padded to the group's longest, leave every row room for its
 budget and the drafts), then runs one decoder cycle (decoding.py: the gate's drafts, one verify
-pass over every active row, acceptance) and hands each request its committed tokens. A
+pass over every active row, acceptance) and hands each request its committed tokens. A group with
+more prompt tokens than ``prefill_chunk`` is prefilled in chunks of at most that many, one chunk
+between two cycles (as vLLM and SGLang bound a step's prefill tokens): rows that decode wait for a
+chunk, never for a whole long prompt; the group's rows join the cycles after their last chunk. A
 request's output does not depend on what else shares the batch: greedy output equals standalone
 ``generate()`` of its prompt with its adapter, and sampling with a seed gives the same tokens
 whatever the batch (policies.RequestPolicy). An unexpected exception in a prefill, a cycle or a
@@ -83,6 +86,9 @@ __all__ = ["Engine", "Request", "Handle", "Status", "MAX_LOGPROBS", "MAX_STOP_TO
            "AdapterUnsupported"]
 
 
+PREFILL_CHUNK = 512  # Engine(prefill_chunk=): prompt tokens per prefill pass (--prefill-chunk)
+
+
 class QueueFull(RuntimeError):
     """The engine's queue holds ``max_queue`` requests already."""
 
@@ -104,14 +110,16 @@ class Engine:
     def __init__(self, model, max_batch: int = 8, max_len: int = 1024, num_draft_tokens: int = 4,
                  gate: str = "auto", max_queue: int = 1024, max_loras: int | None = None,
                  max_cpu_loras: int | None = None, adapter_paths: dict | None = None, draft_vocab=None,
-                 draft_dtype=None, prepack="auto"):
+                 draft_dtype=None, prepack="auto", prefill_chunk: int | None = PREFILL_CHUNK):
         """``max_loras``, ``max_cpu_loras``: the bounds of the module docstring (None: none).
         ``adapter_paths``: {name: local PEFT adapter folder}, for adapters the model has loaded (so
         that they can be evicted and loaded again) and for others, loaded when a request names them.
         ``draft_vocab``, ``draft_dtype``: the drafter's options, as generate() takes them (an int
         vocabulary: the most frequent tokens earlier generate(invisible_lora=True) calls on the
         model have seen). ``prepack``: the linear layers on prepacked weight copies, as generate() takes it
-        (prepack.py: checked or made when the engine's thread starts)."""
+        (prepack.py: checked or made when the engine's thread starts). ``prefill_chunk``: the most
+        prompt tokens one prefill pass takes (rows x tokens; None: every prompt in one pass): longer
+        prompts are prefilled in chunks, one between two cycles (the module docstring)."""
         check_model(model)
         check_prepack(prepack)
         check_adapter_state(model, [], mixed=True)  # no dropout in training mode anywhere
@@ -153,6 +161,8 @@ class Engine:
         self._running = False
         self._state_lock = threading.Lock()  # metrics and adapter changes: read from other threads
         self.max_loras, self.max_cpu_loras = _bound("max_loras", max_loras), _bound("max_cpu_loras", max_cpu_loras)
+        self.prefill_chunk = _bound("prefill_chunk", prefill_chunk)
+        self._chunked = collections.deque()  # [group, width, slots done]: prompts being prefilled in chunks
         # Changed on the engine's thread under _wake; submit() reads it under the same lock.
         self._pool = AdapterPool(model, self.max_cpu_loras, adapter_paths)
         self._adapters = list(self._pool.paths)
@@ -352,6 +362,8 @@ class Engine:
             needed = self._admit(decoder)
             if needed is not None:
                 return needed
+            if self._chunked:  # one chunk between two cycles
+                self._next_chunk(decoder)
             if decoder.batch.active:
                 self._cycle(decoder)
 
@@ -450,8 +462,10 @@ class Engine:
         return needed
 
     def _prefill(self, decoder: Decoder, group: list) -> None:
-        """One prefill of a group's rows (Decoder.admit), then delivery of their first tokens. If
-        it raises, the group's requests end with "error" and the engine serves on (``_fail``)."""
+        """A group's prefill (Decoder.admit): in one pass, then delivery of their first tokens; or, when
+        its prompt tokens are more than ``prefill_chunk``, its rows loaded and queued for their chunks
+        (``_next_chunk``). If it raises, the group's requests end with "error" and the engine serves
+        on (``_fail``)."""
         for r, h in group:
             self._in_row[r] = h
             h.status, h.row = Status.PREFILLING, r
@@ -472,11 +486,39 @@ class Engine:
                 stops = self.stop_ids(h.request.ignore_eos, h.request.stop_token_ids)
                 decoder.set_stops(r, stops)
                 self._policy.set_request(r, h.request, stops)
+            chunked = self.prefill_chunk is not None and len(group) * width > self.prefill_chunk and decoder.chunkable
             kept = decoder.admit([r for r, _ in group], ids, mask, positions, [h.request.max_tokens for _, h in group],
-                                 [h.request.adapter for _, h in group])
+                                 [h.request.adapter for _, h in group], upto=0 if chunked else None)
         except Exception as e:  # noqa: BLE001 - only the group is involved; the rows decoding go on
             self._fail(decoder, group, "prefill", e)
             return
+        if kept is None:
+            self._chunked.append([group, width, 0])
+            return
+        self._prefilled(decoder, group, kept)
+
+    def _next_chunk(self, decoder: Decoder) -> None:
+        """The next chunk of the oldest group being prefilled in chunks (its requests still in their
+        rows: cancelled ones are gone); its last chunk delivers the rows' first tokens."""
+        entry = self._chunked[0]
+        group, width, done = entry
+        group = entry[0] = [(r, h) for r, h in group if self._in_row[r] is h]
+        if not group:
+            self._chunked.popleft()
+            return
+        end = min(done + max(self.prefill_chunk // len(group), 1), width)
+        try:
+            kept = decoder.prefill([r for r, _ in group], done, end)
+        except Exception as e:  # noqa: BLE001 - only the group is involved
+            self._chunked.popleft()
+            self._fail(decoder, group, "prefill", e)
+            return
+        entry[2] = end
+        if kept is not None:
+            self._chunked.popleft()
+            self._prefilled(decoder, group, kept)
+
+    def _prefilled(self, decoder: Decoder, group: list, kept: list[int]) -> None:
         for _, h in group:
             h.status = Status.DECODING
         self._deliver(decoder, kept)

@@ -508,6 +508,88 @@ def test_failures_are_in_the_metrics_endpoint(model):
     assert values["hf_invisiblelora_failed_requests_total"] == 3
 
 
+def spy_passes(monkeypatch):
+    """Record the decoder's prefill passes (rows, first slot, end slot, the rows decoding meanwhile, the
+    prompt's slots) and its cycles (the rows decoding)."""
+    from hf_invisiblelora.decoding import Decoder
+
+    log, prefill, cycle = [], Decoder.prefill, Decoder.cycle
+
+    def prefill_spy(self, idx, start, end):
+        log.append(("prefill", tuple(idx), start, end, tuple(r for r in self.batch.active if r not in idx),
+                    self.batch.plen_h[idx[0]]))
+        return prefill(self, idx, start, end)
+
+    def cycle_spy(self):
+        log.append(("cycle", tuple(self.batch.active)))
+        return cycle(self)
+
+    monkeypatch.setattr(Decoder, "prefill", prefill_spy)
+    monkeypatch.setattr(Decoder, "cycle", cycle_spy)
+    return log
+
+
+def test_long_prompts_are_prefilled_in_chunks_between_cycles(model, monkeypatch):
+    """prefill_chunk=8: a group with more prompt tokens (rows x slots) is prefilled in passes of at
+    most 8, one between two cycles of the rows decoding; every greedy answer equals standalone
+    generate(); a seeded sampled request gives the tokens it gives with whole-prompt prefills."""
+    log = spy_passes(monkeypatch)
+    g = torch.Generator().manual_seed(21)
+    jobs = [(random_prompt(g, 3), "s", 30)] + [(random_prompt(g, n), a, 6) for n, a in
+                                               ((37, "b"), (20, "__base__"), (29, "c"), (5, "d"))]
+    engine = Engine(model, max_batch=3, max_len=64, num_draft_tokens=2, gate="always", prefill_chunk=8).start()
+    try:
+        with engine._wake:  # queued together
+            handles = [engine.submit(Request(p, adapter=a, max_tokens=m, temperature=0)) for p, a, m in jobs]
+        for (prompt, adapter, m), h in zip(jobs, handles):
+            assert h.result(60) == standalone(model, prompt, adapter, m), adapter
+        sampled = {}
+        for chunk in (8, None):
+            engine.prefill_chunk = chunk
+            h = engine.submit(Request(jobs[1][0], adapter="b", max_tokens=8, temperature=0.9, seed=5))
+            sampled[chunk] = h.result(60)
+            chunked_log = chunked_log if chunk is None else list(log)
+    finally:
+        engine.stop()
+    assert sampled[8] == sampled[None]
+    assert ("prefill", (0,), 0, 37, (), 37) in log[len(chunked_log):]  # the control: one pass
+    log = chunked_log
+    passes = [e for e in log if e[0] == "prefill"]
+    assert all(len(e[1]) * (e[3] - e[2]) <= 8 for e in passes)  # the budget of every pass
+    later = [e for e in passes if e[2] > 0]  # chunks after a group's first
+    assert len({e[1] for e in later}) >= 2 and any(e[4] for e in later)
+    for e in later:  # while rows decode, one of their cycles runs between two chunks of a group
+        i = log.index(e)
+        previous = max(j for j in range(i) if log[j][0] == "prefill" and log[j][1] == e[1] and log[j][3] == e[2])
+        between = [x for x in log[previous + 1:i] if x[0] == "cycle"]
+        assert not e[4] or between and set(e[1]).isdisjoint(between[0][1]), (e, log[previous:i])
+    chunks = [0]  # chunk passes (not a whole prompt) between two cycles while rows decode: at most one
+    for x in log:
+        if x[0] == "cycle":
+            chunks.append(0)
+        elif x[2:4] != (0, x[5]) and x[4]:
+            chunks[-1] += 1
+    assert max(chunks) == 1
+
+
+def test_models_with_windowed_caches_prefill_whole_prompts(monkeypatch):
+    """A cache layer keeping a window of keys (Gemma 3's sliding layers): prompts are prefilled in one
+    pass whatever prefill_chunk says (a chunk could not see past the window as the one pass does);
+    the answers equal standalone generate()."""
+    log = spy_passes(monkeypatch)
+    served = tiny_peft("gemma3", strength=0.6)
+    g = torch.Generator().manual_seed(22)
+    jobs = [(random_prompt(g, n), a, 5) for n, a in ((17, "s"), (12, "b"))]
+    engine = Engine(served, max_batch=2, max_len=32, num_draft_tokens=2, gate="always", prefill_chunk=4).start()
+    try:
+        for prompt, adapter, m in jobs:
+            assert engine.submit(Request(prompt, adapter=adapter, max_tokens=m, temperature=0)).result(60) == \
+                standalone(served, prompt, adapter, m)
+    finally:
+        engine.stop()
+    assert [e[2:4] for e in log if e[0] == "prefill"] == [(0, 17), (0, 12)]
+
+
 def test_vllm_metrics_show_the_running_and_waiting_adapters(model):
     """/metrics carries vLLM's names for the queue and the adapters in use, as a router reads them:
     with the engine held inside a delivery (one row, "s" decoding; "b", the base model and "b" again
@@ -654,9 +736,9 @@ def test_a_request_waiting_for_an_adapter_slot_is_not_overtaken(model, monkeypat
     order = []
     admit = Decoder.admit
 
-    def spy(self, idx, ids, mask, positions, max_new, names):
+    def spy(self, idx, ids, mask, positions, max_new, names, **kw):
         order.extend(zip(names, max_new))
-        return admit(self, idx, ids, mask, positions, max_new, names)
+        return admit(self, idx, ids, mask, positions, max_new, names, **kw)
 
     monkeypatch.setattr(Decoder, "admit", spy)
     engine = Engine(model, max_batch=3, max_len=64, num_draft_tokens=2, gate="always", max_loras=1).start()

@@ -137,6 +137,11 @@ def parser() -> argparse.ArgumentParser:
                    help="the most adapters kept loaded; idle ones are evicted LRU and loaded again on demand "
                         "(default: no bound)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="the most tokens drafted per cycle (K)")
+    p.add_argument("--prefill-chunk", type=int,
+                   help="the most prompt tokens one prefill pass takes (rows x tokens; default: the engine's, "
+                        "engine.PREFILL_CHUNK); "
+                        "longer prompts are prefilled in chunks, one between two decoding cycles (0: every prompt "
+                        "in one pass)")
     p.add_argument("--gate", default="auto", choices=("auto", "always", "never"))
     p.add_argument("--draft-dtype", nargs="+", choices=("float32", "bfloat16", "float16", "int8", "int4"),
                    help="the drafter's linear layers in this dtype (int8 / int4: weight-only, the CPU); several "
@@ -172,6 +177,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-body-bytes must be >= 1 and --shutdown-timeout >= 0")
     if any(v is not None and v < 1 for v in (args.max_loras, args.max_cpu_loras)):
         p.error("--max-loras and --max-cpu-loras must be >= 1")
+    if args.prefill_chunk is not None and args.prefill_chunk < 0:
+        p.error("--prefill-chunk must be >= 0 (0: whole prompts)")
     return args
 
 
@@ -214,7 +221,8 @@ def build_server(args: argparse.Namespace) -> Server | int:
                     gate=args.gate, max_queue=args.max_queue, max_loras=args.max_loras,
                     max_cpu_loras=args.max_cpu_loras, adapter_paths=adapter_paths,
                     draft_dtype=draft_dtypes(args.draft_dtype),
-                    prepack={"auto": "auto", "on": True, "off": False}[args.prepack]).start()
+                    prepack={"auto": "auto", "on": True, "off": False}[args.prepack],
+                    **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk or None})).start()
     lora_roots = [os.path.realpath(root) for root in args.lora_root]
     return Server(engine, tokenizer, model_id, root, adapter_paths, api_key=args.api_key,
                   runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,
