@@ -8,7 +8,9 @@ arrival schedule is served by:
           requests arriving meanwhile wait for the next batch;
   static  the same batches through our ``generate(..., invisible_lora=True)``;
   engine  the continuous-batching engine (engine.py, in process, no HTTP): each request is
-          submitted at its arrival time, joins a free row at the next cycle and leaves when done.
+          submitted at its arrival time, joins a free row at the next cycle and leaves when done;
+  engine_whole  (not by default) the engine with every prompt prefilled in one pass: the A/B of
+          its chunked prefill (--prefill-chunk).
 Measured per request: time to first token (arrival -> first token committed), time per output token
 after the first ((last token - first token) / (tokens - 1)) and end-to-end latency; per run the
 throughput (tokens of all requests / (last token - first arrival)). A token's time is when the
@@ -43,11 +45,11 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_invisiblelora  # noqa: F401  (generate(invisible_lora=True))
-from hf_invisiblelora.engine import Engine, Request
+from hf_invisiblelora.engine import PREFILL_CHUNK, Engine, Request
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
 from common import machine, sync
 
-MODES = ("stock", "static", "engine")
+MODES = ("stock", "static", "engine", "engine_whole")  # engine_whole: the engine without chunked prefill
 
 
 @dataclass
@@ -92,16 +94,22 @@ def load(smoke: bool, adapters, device: str, dtype):
 PROMPT_TOKENS = 32  # set from --prompt-tokens
 
 
-def schedule(names, prompts_for, n: int, rate: float, max_tokens: int, seed: int) -> list[Job]:
+def schedule(names, prompts_for, n: int, rate: float, max_tokens: int, seed: int, min_tokens: int | None = None,
+             min_prompt: int | None = None) -> list[Job]:
     """``n`` requests with exponential gaps of mean 1/rate, adapters drawn uniformly, max_tokens
-    uniform in [max_tokens/2, max_tokens]."""
+    uniform in [min_tokens (default max_tokens/2), max_tokens]; with ``min_prompt``, each prompt cut
+    to a length uniform in [min_prompt, its length]."""
     rng = random.Random(seed)
-    pool = {name: prompts_for(name, max(2, math.ceil(2 * n / len(names))), seed) for name in names}
+    pool = {name: [p for p in prompts_for(name, max(2, math.ceil(2 * n / len(names))), seed) if p] for name in names}
+    low = max(1, max_tokens // 2) if min_tokens is None else min_tokens
     jobs, t = [], 0.0
     for i in range(n):
         t += rng.expovariate(rate) if i else 0.0
         name = rng.choice(names)
-        jobs.append(Job(i, t, name, rng.choice(pool[name]), rng.randint(max(1, max_tokens // 2), max_tokens)))
+        ids = rng.choice(pool[name])
+        if min_prompt is not None:
+            ids = ids[: rng.randint(min(min_prompt, len(ids)), len(ids))]
+        jobs.append(Job(i, t, name, ids, rng.randint(low, max_tokens)))
     return jobs
 
 
@@ -164,11 +172,12 @@ def run_static(model, tok, jobs: list[Job], args, invisible: bool, eos: set[int]
             j.done = clock.last.get(width + n, end) if n else end
 
 
-def run_engine(model, jobs: list[Job], args) -> dict:
-    """Each request submitted at its arrival time; token times from its on_tokens callback."""
+def run_engine(model, jobs: list[Job], args, chunked: bool = True) -> dict:
+    """Each request submitted at its arrival time; token times from its on_tokens callback. ``chunked``:
+    long prompts prefilled in chunks of --prefill-chunk tokens (else each in one pass)."""
     max_len = max(len(j.ids) + j.max_tokens for j in jobs) + args.num_draft_tokens + 1
     engine = Engine(model, max_batch=args.max_batch, max_len=max_len, num_draft_tokens=args.num_draft_tokens,
-                    gate=args.gate).start()
+                    gate=args.gate, prefill_chunk=args.prefill_chunk if chunked else None).start()
     start = time.perf_counter()
     handles = []
     try:
@@ -236,8 +245,8 @@ def warm_up(model, tok, names, prompts_for, args, eos) -> None:
     jobs = [Job(i, 0.0, names[i % len(names)], prompts_for(names[i % len(names)], 1, 99)[0], 4) for i in range(2)]
     for mode in args.modes:
         fresh = [j.fresh() for j in jobs]
-        if mode == "engine":
-            run_engine(model, fresh, args)
+        if mode.startswith("engine"):
+            run_engine(model, fresh, args, chunked=mode == "engine")
         else:
             run_static(model, tok, fresh, args, invisible=mode == "static", eos=eos)
 
@@ -301,11 +310,14 @@ def main(argv=None):
     p.add_argument("--max-seconds", type=float, default=300, help="per run: requests not started by then are dropped")
     p.add_argument("--max-tokens", type=int, default=64, help="a request's max_tokens: uniform in [half, this]")
     p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--min-prompt-tokens", type=int, help="prompts cut to lengths uniform in [this, --prompt-tokens]")
+    p.add_argument("--min-max-tokens", type=int, help="max_tokens uniform in [this, --max-tokens] (default: half)")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="the engine's prompt tokens per prefill pass")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--gate", default="auto", choices=("auto", "always", "never"))
     p.add_argument("--adapters", nargs="+", help="zoo adapters to mix (default: every built one)")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES[:3]))
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, help="torch.set_num_threads")
@@ -328,17 +340,19 @@ def main(argv=None):
     results = dict(command=command, machine=machine(), device=args.device, dtype=args.dtype,
                    threads=torch.get_num_threads(), torch=torch.__version__, model="tiny (smoke)" if args.smoke else "smollm2",
                    adapters=names, modes=args.modes, requests_per_rate=args.requests, max_tokens=args.max_tokens,
-                   prompt_tokens=args.prompt_tokens, max_batch=args.max_batch, num_draft_tokens=args.num_draft_tokens,
+                   prompt_tokens=args.prompt_tokens, min_prompt_tokens=args.min_prompt_tokens,
+                   min_max_tokens=args.min_max_tokens, prefill_chunk=args.prefill_chunk, max_batch=args.max_batch, num_draft_tokens=args.num_draft_tokens,
                    gate=args.gate, max_seconds=args.max_seconds, seed=args.seed, runs=[])
     warm_up(model, tok, names, prompts_for, args, eos)
     for rate in args.rates:
-        jobs = schedule(names, prompts_for, args.requests, rate, args.max_tokens, args.seed)
+        jobs = schedule(names, prompts_for, args.requests, rate, args.max_tokens, args.seed, args.min_max_tokens,
+                        args.min_prompt_tokens)
         run = dict(rate=rate, modes={}, requests=[])
         served = {}
         for mode in args.modes:
             mine = [j.fresh() for j in jobs]
-            if mode == "engine":
-                engine_stats = run_engine(model, mine, args)
+            if mode.startswith("engine"):
+                engine_stats = run_engine(model, mine, args, chunked=mode == "engine")
             else:
                 run_static(model, tok, mine, args, invisible=mode == "static", eos=eos)
                 engine_stats = None

@@ -195,6 +195,7 @@ class Decoder:
         self.timer = PassTimer(self.batch.tokens.device)
         self.cycles, self.k, self.k_per_cycle, self.history = 0, 0, [], history
         self.drafted, self.accepted, self.row_cycles = [0] * capacity, [0] * capacity, [0] * capacity
+        self.waiting = [False] * capacity  # rows whose prompt is being prefilled in chunks (prefill)
         self.scores, self.keep_prefill, self.prefill_logits = scores, keep_prefill, None
 
     def admit(self, idx: list[int], input_ids, attention_mask, positions, max_new: list[int], names: list[str],
@@ -214,7 +215,7 @@ class Decoder:
         self.fwd.layout.load(idx, attention_mask, positions, [p + m - 2 for m in max_new])
         if upto == 0:
             for r in idx:
-                self.batch.done_h[r] = True  # waiting for its chunks (prefill)
+                self.batch.done_h[r] = self.waiting[r] = True
             return None
         return self.prefill(idx, 0, p if upto is None else min(upto, p))
 
@@ -228,14 +229,14 @@ class Decoder:
         """Prompt slots [start, end) of rows ``idx`` (admitted together) through one LoRA-on pass,
         attending to the slots before ``start`` as a verify pass does. Until the prompt's end the rows
         wait (done: cycles leave them out; the slots a cycle writes for a waiting row are at and past
-        its last prompt slot, which its last chunk writes again) and None is returned; the last chunk
-        gives each row its first token, as admit() describes."""
+        its last prompt slot, which its last chunk writes again; ``waiting``) and None is returned; the
+        last chunk gives each row its first token, as admit() describes."""
         batch, p = self.batch, self.batch.plen_h[idx[0]]
         sub = torch.tensor(idx, device=batch.tokens.device)
         logits = self.fwd(batch.tokens[sub, start:end], sub.new_full((len(idx),), start), end, keep=1,
                           prefix=p if (start, end) == (0, p) else None, rows=sub)
         for r in idx:
-            batch.done_h[r] = end < p
+            batch.done_h[r] = self.waiting[r] = end < p
         if end < p:
             return None
         if self.keep_prefill:  # a copy: processors may edit their input in place
@@ -300,6 +301,7 @@ class Decoder:
     def free(self, r: int) -> None:
         """Row r holds no request any more: no adapter, no policy state (its slots are reused)."""
         self.batch.done_h[r] = True
+        self.waiting[r] = False
         self.names[r] = None
         self.policy.release(r)
 
@@ -322,9 +324,10 @@ class Decoder:
         return self.batch.gen_h[r]
 
     def end_reason(self, r: int) -> str | None:
-        """None while row r decodes; once done, "length" (its budget) or "stop" (a stop token)."""
+        """None while row r decodes or waits for its prompt's chunks; once done, "length" (its budget)
+        or "stop" (a stop token)."""
         b = self.batch
-        if not b.done_h[r]:
+        if not b.done_h[r] or self.waiting[r]:
             return None
         return "length" if b.gen_h[r] >= b.max_new_h[r] and b.stop_at[r] is None else "stop"
 

@@ -535,8 +535,9 @@ def test_long_prompts_are_prefilled_in_chunks_between_cycles(model, monkeypatch)
     generate(); a seeded sampled request gives the tokens it gives with whole-prompt prefills."""
     log = spy_passes(monkeypatch)
     g = torch.Generator().manual_seed(21)
-    jobs = [(random_prompt(g, 3), "s", 30)] + [(random_prompt(g, n), a, 6) for n, a in
-                                               ((37, "b"), (20, "__base__"), (29, "c"), (5, "d"))]
+    # The long prompt first: its row (0) waits for its chunks below a row that decodes (1).
+    jobs = [(random_prompt(g, 37), "b", 6), (random_prompt(g, 3), "s", 30)] + \
+        [(random_prompt(g, n), a, 6) for n, a in ((20, "__base__"), (29, "c"), (5, "d"))]
     engine = Engine(model, max_batch=3, max_len=64, num_draft_tokens=2, gate="always", prefill_chunk=8).start()
     try:
         with engine._wake:  # queued together
@@ -546,7 +547,7 @@ def test_long_prompts_are_prefilled_in_chunks_between_cycles(model, monkeypatch)
         sampled = {}
         for chunk in (8, None):
             engine.prefill_chunk = chunk
-            h = engine.submit(Request(jobs[1][0], adapter="b", max_tokens=8, temperature=0.9, seed=5))
+            h = engine.submit(Request(jobs[0][0], adapter="b", max_tokens=8, temperature=0.9, seed=5))
             sampled[chunk] = h.result(60)
             chunked_log = chunked_log if chunk is None else list(log)
     finally:

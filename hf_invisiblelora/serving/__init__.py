@@ -32,5 +32,6 @@ Modules, one concept each: ``protocol`` (error objects, request bodies, the requ
 ``text`` (detokenization and stopping), ``bridge`` (a request's choices between the engine's
 thread and asyncio), ``metrics``, ``completions`` (the completion and chat endpoints), ``admin``
 (loading and unloading adapters), ``front_door`` (request ids, the drain's 503, the API key),
-``app`` (the Server and the FastAPI app: its routes), ``cli`` (loading and main).
+``app`` (the Server and the FastAPI app: its routes), ``cli`` (loading and main), ``ray_app`` (the
+same server as N replicas on Ray Serve, requests routed by adapter; the extra ``ray``).
 """
