@@ -12,7 +12,8 @@ arrival schedule is served by:
   engine_whole  (not by default) the engine with every prompt prefilled in one pass: the A/B of
           its chunked prefill (--prefill-chunk).
 Measured per request: time to first token (arrival -> first token committed), time per output token
-after the first ((last token - first token) / (tokens - 1)) and end-to-end latency; per run the
+after the first ((last token - first token) / (tokens - 1)) and end-to-end latency; for the engine,
+the gaps between two deliveries of a request's tokens (what a long prefill makes rows decoding wait); per run the
 throughput (tokens of all requests / (last token - first arrival)). A token's time is when the
 decoder committed it: the engine, the request's on_tokens callback; static batches, a stopping
 criterion that records when each length is reached (stock generate() calls it after every step,
@@ -65,6 +66,7 @@ class Job:
     done: float | None = None
     tokens: list = field(default_factory=list)
     dropped: bool = False
+    gaps: list = field(default_factory=list)  # the engine: seconds between two deliveries of tokens
 
     def fresh(self) -> "Job":
         return Job(self.index, self.arrival, self.adapter, self.ids, self.max_tokens)
@@ -193,6 +195,8 @@ def run_engine(model, jobs: list[Job], args, chunked: bool = True) -> dict:
                 now = time.perf_counter() - start
                 if j.first is None:
                     j.first = now
+                else:
+                    j.gaps.append(now - j.done)
                 j.done = now
                 return False
 
@@ -235,8 +239,10 @@ def summarize(jobs: list[Job]) -> dict:
     span = max((j.done for j in served), default=0) - min((j.arrival for j in jobs), default=0)
     out = dict(requests=len(jobs), completed=len(served), dropped=sum(j.dropped for j in jobs), tokens=tokens,
                seconds=round(span, 3), tokens_per_s=tokens / span if span > 0 else None)
-    for name, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
+    gaps = [g for j in served for g in j.gaps]  # how long a decoding request waited for its next tokens
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e), ("gap", gaps)):
         out[f"{name}_p50"], out[f"{name}_p99"] = percentile(values, 50), percentile(values, 99)
+    out["gap_max"] = max(gaps, default=None)
     return out
 
 
@@ -256,13 +262,14 @@ def fmt(v, scale=1.0, digits=2):
 
 
 def table(results) -> str:
-    lines = ["| req/s | mode | done / dropped | tokens/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | e2e p50 / p99 (s) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| req/s | mode | done / dropped | tokens/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | e2e p50 / p99 (s) "
+             "| gap between deliveries p99 / max (s) |", "|---|---|---|---|---|---|---|---|"]
     for run in results["runs"]:
         for mode, s in run["modes"].items():
             lines.append(f"| {run['rate']:g} | {mode} | {s['completed']} / {s['dropped']} | {fmt(s['tokens_per_s'], digits=1)} | "
                          f"{fmt(s['ttft_p50'])} / {fmt(s['ttft_p99'])} | {fmt(s['tpot_p50'], 1000, 1)} / "
-                         f"{fmt(s['tpot_p99'], 1000, 1)} | {fmt(s['e2e_p50'])} / {fmt(s['e2e_p99'])} |")
+                         f"{fmt(s['tpot_p99'], 1000, 1)} | {fmt(s['e2e_p50'])} / {fmt(s['e2e_p99'])} | "
+                         f"{fmt(s['gap_p99'])} / {fmt(s['gap_max'])} |")
     return "\n".join(lines)
 
 

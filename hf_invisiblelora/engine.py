@@ -382,7 +382,10 @@ class Engine:
                         m["drafted"][self._in_row[r].request.adapter] += decoder.drafted[r] - d
                         m["accepted"][self._in_row[r].request.adapter] += decoder.accepted[r] - a
         except Exception as e:  # noqa: BLE001 - every row of the cycle is involved; the engine serves on
-            self._fail(decoder, [(r, h) for r, h in enumerate(self._in_row) if h is not None], "decoding", e)
+            # Rows waiting for their prompt's chunks were not in it: a cycle writes their slots only
+            # from their last prompt slot on, which their last chunk writes again.
+            self._fail(decoder, [(r, h) for r, h in enumerate(self._in_row) if h is not None and not decoder.waiting[r]],
+                       "decoding", e)
             return
         self._deliver(decoder, kept)
 

@@ -69,7 +69,8 @@ def alone(spec, engine_kw):
 def mixes(draw):
     k = draw(st.integers(0, 4))
     engine_kw = dict(max_batch=draw(st.integers(1, 4)), max_len=draw(st.integers(k + 3, 36)), num_draft_tokens=k,
-                     gate=draw(st.sampled_from(["always", "never", "auto"])))
+                     gate=draw(st.sampled_from(["always", "never", "auto"])),
+                     prefill_chunk=draw(st.sampled_from([None, 2, 5, 512])))  # prompts in chunks of rows x tokens
     limit = engine_kw["max_len"] - k - 1  # the engine's max_request_tokens (the tiny model allows 2048 positions)
     specs = []
     for i in range(draw(st.integers(1, 6))):
@@ -94,20 +95,22 @@ def mixes(draw):
             cancel=draw(st.sampled_from([None, None, None, "queued", 0, 1])),
             later=i > 0 and draw(st.booleans()),  # submitted once the request before it has tokens
         ))
-    # An injected exception: in the j-th prefill or the j-th decoder cycle (then only those in it fail).
-    fault = draw(st.sampled_from([None, "prefill", "cycle"]))
+    # An injected exception: in the j-th prefill (its rows' load, or one of its passes: a chunk) or the
+    # j-th decoder cycle (then only those in it fail).
+    fault = draw(st.sampled_from([None, "prefill", "chunk", "cycle"]))
     return engine_kw, specs, (fault, draw(st.integers(0, 3))) if fault else None
 
 
 @contextlib.contextmanager
 def injected(fault):
-    """Raise once, at the j-th call of the prefill's layout load or of a cycle's verify pass."""
+    """Raise once, at the j-th call of the prefill's layout load, of a prefill pass or of a cycle's verify pass."""
     if fault is None:
         yield
         return
     stage, j = fault
     calls = itertools.count()
-    target, name = (layout.RowLayout, "load") if stage == "prefill" else (decoding, "verify")
+    target, name = {"prefill": (layout.RowLayout, "load"), "chunk": (decoding.Decoder, "prefill"),
+                    "cycle": (decoding, "verify")}[stage]
     original = getattr(target, name)
 
     def failing(*args, **kw):
@@ -181,6 +184,7 @@ def test_request_mixes_decode_exactly(mix):
     failed = [h for h in handles if h.finish_reason == "error"]
     event(f"fault: {fault[0] if fault else None}, {'fired' if failed else 'not fired'}")
     event(f"most prefill groups in one admission: {max(splits, default=0)}")
+    event(f"prefill_chunk: {engine_kw['prefill_chunk']}")
     event(f"finish reasons: {sorted({h.finish_reason for h in handles})}")
     event(f"seeded sampling: {any(spec.sampling['temperature'] for spec in specs)}")
     event(f"arrivals: {'some while others decode' if any(spec.later for spec in specs) else 'all at once'}")
@@ -194,7 +198,7 @@ def test_request_mixes_decode_exactly(mix):
         if h.finish_reason == "cancelled":
             assert spec.cancel is not None and len(h.tokens) < len(expected)
         elif h.finish_reason == "error":
-            assert ("prefill" if fault[0] == "prefill" else "decoding") in h.error
+            assert ("decoding" if fault[0] == "cycle" else "prefill") in h.error
             assert len(h.tokens) < len(expected)
         else:
             assert h.finish_reason == reason and h.tokens == expected, (spec, h.finish_reason)
