@@ -6,6 +6,7 @@ replica killed mid-request ends that request cleanly and the application serves 
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -31,9 +32,12 @@ def post(url, body, timeout=60):
 
 
 @pytest.fixture(scope="module")
-def app(files):
-    """The application's base URL: two replicas (one CPU each), Serve's proxy on 127.0.0.1."""
-    port = free_port()
+def app(files, tmp_path_factory):
+    """The application's base URL: two replicas (one CPU each), Serve's proxy on 127.0.0.1. Ray's
+    workers start in the driver's folder, which must not be the source tree (its hf_invisiblelora/
+    would shadow the installed package, which holds kernels/)."""
+    port, cwd = free_port(), os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("ray_cwd"))
     ray.init(num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              configure_logging=False)
     try:
@@ -46,6 +50,7 @@ def app(files):
     finally:
         serve.shutdown()
         ray.shutdown()
+        os.chdir(cwd)
 
 
 def test_the_keys_are_the_servers_options():
