@@ -162,7 +162,7 @@ class Engine:
         self._state_lock = threading.Lock()  # metrics and adapter changes: read from other threads
         self.max_loras, self.max_cpu_loras = _bound("max_loras", max_loras), _bound("max_cpu_loras", max_cpu_loras)
         self.prefill_chunk = _bound("prefill_chunk", prefill_chunk)
-        self._chunked = collections.deque()  # [group, width, slots done]: prompts being prefilled in chunks
+        self._chunked = collections.deque()  # [group, slots done]: prompts being prefilled in chunks
         # Changed on the engine's thread under _wake; submit() reads it under the same lock.
         self._pool = AdapterPool(model, self.max_cpu_loras, adapter_paths)
         self._adapters = list(self._pool.paths)
@@ -496,7 +496,7 @@ class Engine:
             self._fail(decoder, group, "prefill", e)
             return
         if kept is None:
-            self._chunked.append([group, width, 0])
+            self._chunked.append([group, 0])
             return
         self._prefilled(decoder, group, kept)
 
@@ -504,19 +504,19 @@ class Engine:
         """The next chunk of the oldest group being prefilled in chunks (its requests still in their
         rows: cancelled ones are gone); its last chunk delivers the rows' first tokens."""
         entry = self._chunked[0]
-        group, width, done = entry
+        group, done = entry
         group = entry[0] = [(r, h) for r, h in group if self._in_row[r] is h]
         if not group:
             self._chunked.popleft()
             return
-        end = min(done + max(self.prefill_chunk // len(group), 1), width)
+        end = min(done + max(self.prefill_chunk // len(group), 1), decoder.batch.plen_h[group[0][0]])
         try:
             kept = decoder.prefill([r for r, _ in group], done, end)
         except Exception as e:  # noqa: BLE001 - only the group is involved
             self._chunked.popleft()
             self._fail(decoder, group, "prefill", e)
             return
-        entry[2] = end
+        entry[1] = end
         if kept is not None:
             self._chunked.popleft()
             self._prefilled(decoder, group, kept)

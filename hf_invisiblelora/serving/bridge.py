@@ -33,7 +33,7 @@ class Job:
         self.offset = len(prefix)  # text_offset of the next token (completions' logprobs)
         self.logprobs_sent = 0
         self.shown = 0  # tokens the event loop has been handed (usage so far)
-        # (when the first chunk came, when the last did, tokens since the first chunk): time per output token
+        # (when the first chunk came, when the last did, tokens after the first chunk): time per output token
         self.token_times = None
         self.handle = server.engine.submit(request)  # ValueError for a bad request
         server.in_flight[request.id] = self
@@ -45,8 +45,11 @@ class Job:
                 if self.failed or self.text.stopped:
                     continue  # tokens committed before the cancellation took effect
                 now = time.perf_counter()
-                first, _, n = self.token_times or (now, now, -len(chunk))
-                self.token_times = (first, now, n + len(chunk))
+                if self.token_times is None:
+                    self.token_times = (now, now, 0)
+                else:
+                    first, _, n = self.token_times
+                    self.token_times = (first, now, n + len(chunk))
                 try:
                     delta = self.text.add(chunk)
                 except Exception:  # noqa: BLE001 - only this request is involved

@@ -185,7 +185,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def build_server(args: argparse.Namespace) -> Server | int:
     """The Server of ``args`` (the model and adapters loaded, the engine started), or the exit code of
     what is missing (printed)."""
-    from ..engine import Engine
+    from ..engine import PREFILL_CHUNK, Engine
     from ..threads import set_threads
 
     problems = [missing(f"--lora {name}={path}", path, "adapter_config.json", "a PEFT adapter folder")
@@ -222,7 +222,7 @@ def build_server(args: argparse.Namespace) -> Server | int:
                     max_cpu_loras=args.max_cpu_loras, adapter_paths=adapter_paths,
                     draft_dtype=draft_dtypes(args.draft_dtype),
                     prepack={"auto": "auto", "on": True, "off": False}[args.prepack],
-                    **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk or None})).start()
+                    prefill_chunk=PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk or None).start()
     lora_roots = [os.path.realpath(root) for root in args.lora_root]
     return Server(engine, tokenizer, model_id, root, adapter_paths, api_key=args.api_key,
                   runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,
