@@ -136,9 +136,11 @@ def useful(tokens: list[int], max_tokens: int, eos: set[int]) -> list[int]:
     return tokens[:end]
 
 
-def run_static(model, tok, jobs: list[Job], args, invisible: bool, eos: set[int]) -> None:
-    """Static batches: whoever has arrived (up to max_batch) is decoded together to the end."""
+def run_static(model, tok, jobs: list[Job], args, invisible: bool, eos: set[int]) -> dict:
+    """Static batches: whoever has arrived (up to max_batch) is decoded together to the end. Returns
+    where the time went (``split``)."""
     device = model.device
+    split = dict(prefill_s=0.0, decode_s=0.0, prompt_slots=0, row_steps=0)
     extra = dict(invisible_lora=True, num_draft_tokens=args.num_draft_tokens, gate=args.gate) if invisible else {}
     pending = list(jobs)
     start = time.perf_counter()
@@ -147,7 +149,7 @@ def run_static(model, tok, jobs: list[Job], args, invisible: bool, eos: set[int]
         if now > args.max_seconds:
             for job in pending:
                 job.dropped = True
-            return
+            return split
         if pending[0].arrival > now:
             time.sleep(pending[0].arrival - now)
             continue
@@ -160,6 +162,7 @@ def run_static(model, tok, jobs: list[Job], args, invisible: bool, eos: set[int]
             ids[i, width - len(j.ids):] = torch.tensor(j.ids)
             mask[i, width - len(j.ids):] = 1
         clock = StepClock(start)
+        began = time.perf_counter() - start
         with torch.no_grad():
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                  adapter_names=[j.adapter for j in batch], max_new_tokens=max(j.max_tokens for j in batch),
@@ -167,18 +170,54 @@ def run_static(model, tok, jobs: list[Job], args, invisible: bool, eos: set[int]
                                  stopping_criteria=StoppingCriteriaList([clock]), **extra)
         sync()
         end = time.perf_counter() - start
+        first = clock.first.get(width + 1, end)
+        split["prefill_s"] += first - began
+        split["decode_s"] += end - first
+        split["prompt_slots"] += len(batch) * width
+        split["row_steps"] += len(batch) * (out.shape[1] - width - 1)
         for i, j in enumerate(batch):
             j.tokens = useful(out[i, width:].tolist(), j.max_tokens, eos)
             n = len(j.tokens)
-            j.first = clock.first.get(width + 1, end)
+            j.first = first
             j.done = clock.last.get(width + n, end) if n else end
+    return split
+
+
+class TimedEngine(Engine):
+    """The engine with where its thread's time went: prefill passes (whole or chunks) and cycles, the
+    rows each cycle's passes ran (rows 0..last active) and how many of them were active."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.split = dict(prefill_s=0.0, decode_s=0.0, prompt_slots=0, row_steps=0, active_row_steps=0)
+
+    def _timed(self, key, fn, *args):
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            sync()
+            self.split[key] += time.perf_counter() - t
+
+    def _prefill(self, decoder, group):
+        width = max(len(h.request.prompt) for _, h in group)
+        self.split["prompt_slots"] += len(group) * width
+        return self._timed("prefill_s", super()._prefill, decoder, group)
+
+    def _next_chunk(self, decoder):
+        return self._timed("prefill_s", super()._next_chunk, decoder)
+
+    def _cycle(self, decoder):
+        self.split["row_steps"] += decoder.batch.hi
+        self.split["active_row_steps"] += len(decoder.batch.active)
+        return self._timed("decode_s", super()._cycle, decoder)
 
 
 def run_engine(model, jobs: list[Job], args, chunked: bool = True) -> dict:
     """Each request submitted at its arrival time; token times from its on_tokens callback. ``chunked``:
     long prompts prefilled in chunks of --prefill-chunk tokens (else each in one pass)."""
     max_len = max(len(j.ids) + j.max_tokens for j in jobs) + args.num_draft_tokens + 1
-    engine = Engine(model, max_batch=args.max_batch, max_len=max_len, num_draft_tokens=args.num_draft_tokens,
+    engine = TimedEngine(model, max_batch=args.max_batch, max_len=max_len, num_draft_tokens=args.num_draft_tokens,
                     gate=args.gate, prefill_chunk=args.prefill_chunk if chunked else None).start()
     start = time.perf_counter()
     handles = []
@@ -216,7 +255,8 @@ def run_engine(model, jobs: list[Job], args, chunked: bool = True) -> dict:
                 raise RuntimeError(f"engine error: {h.error}")
         metrics = engine.metrics
         return dict(cycles=metrics["cycles"], k_hist={int(k): v for k, v in sorted(metrics["k_hist"].items())},
-                    drafted=sum(metrics["drafted"].values()), accepted=sum(metrics["accepted"].values()))
+                    drafted=sum(metrics["drafted"].values()), accepted=sum(metrics["accepted"].values()),
+                    split=engine.split)
     finally:
         engine.stop()
 
@@ -270,6 +310,23 @@ def table(results) -> str:
                          f"{fmt(s['ttft_p50'])} / {fmt(s['ttft_p99'])} | {fmt(s['tpot_p50'], 1000, 1)} / "
                          f"{fmt(s['tpot_p99'], 1000, 1)} | {fmt(s['e2e_p50'])} / {fmt(s['e2e_p99'])} | "
                          f"{fmt(s['gap_p99'])} / {fmt(s['gap_max'])} |")
+    return "\n".join(lines)
+
+
+def split_table(results) -> str:
+    """Where each run's time went: prefill passes and decoding, the prompt slots prefilled (rows x
+    padded width, summed over passes) and the rows decoded: a static batch's rows x its new-token
+    positions (a row past its EOS or max_tokens still fills them), the engine's rows each cycle's
+    passes ran (0..last active) x cycles, with the active ones among them; against the useful tokens."""
+    lines = ["| req/s | mode | prefill s | decode s | prompt slots prefilled | static: rows x positions; engine: "
+             "rows x cycles (active) | useful tokens |",
+             "|---|---|---|---|---|---|---|"]
+    for run in results["runs"]:
+        for mode, s in run["modes"].items():
+            p = s["split"]
+            active = f" ({p['active_row_steps']})" if "active_row_steps" in p else ""
+            lines.append(f"| {run['rate']:g} | {mode} | {p['prefill_s']:.1f} | {p['decode_s']:.1f} | {p['prompt_slots']} | "
+                         f"{p['row_steps']}{active} | {s['tokens']} |")
     return "\n".join(lines)
 
 
@@ -360,10 +417,10 @@ def main(argv=None):
             mine = [j.fresh() for j in jobs]
             if mode.startswith("engine"):
                 engine_stats = run_engine(model, mine, args, chunked=mode == "engine")
+                split = engine_stats.pop("split")
             else:
-                run_static(model, tok, mine, args, invisible=mode == "static", eos=eos)
-                engine_stats = None
-            run["modes"][mode] = summarize(mine) | ({"engine": engine_stats} if engine_stats else {})
+                split, engine_stats = run_static(model, tok, mine, args, invisible=mode == "static", eos=eos), None
+            run["modes"][mode] = summarize(mine) | {"split": split} | ({"engine": engine_stats} if engine_stats else {})
             served[mode] = mine
             s = run["modes"][mode]
             print(f"rate {rate:g} req/s, {mode}: {s['completed']} done, {s['dropped']} dropped, "
@@ -379,7 +436,7 @@ def main(argv=None):
         results["runs"].append(run)
         (out / "serve.json").write_text(json.dumps(results, indent=1))
     plot(results, out / "serve.png")
-    print("\n" + table(results))
+    print("\n" + table(results) + "\n\n" + split_table(results))
     for run in results["runs"]:
         same = run["same_tokens_as_" + args.modes[0]]
         if same:

@@ -41,6 +41,14 @@ def test_serving_benchmark_smoke(tmp_path):
             for job in run["requests"][mode]:
                 assert 1 <= job["tokens"] <= job["max_tokens"] and job["arrival"] <= job["first"] <= job["done"]
         assert run["modes"]["engine"]["engine"]["cycles"] > 0
+        prompts = sum(job["ids"] for job in run["requests"]["engine"])
+        for mode, s in run["modes"].items():  # where the time went: every prompt slot prefilled, every token decoded
+            split = s["split"]
+            assert split["prefill_s"] > 0 and split["decode_s"] > 0 and split["prompt_slots"] >= prompts
+            if mode == "engine":  # rows x cycles, the active ones among them
+                assert split["row_steps"] >= split["active_row_steps"] > 0
+            else:  # rows x new-token positions: every token but a row's first (the prefill's) fills one
+                assert split["row_steps"] >= s["tokens"] - s["completed"]
 
 
 def test_memory_benchmark_smoke(tmp_path):
