@@ -3,8 +3,9 @@
 The decoding loop asks only this of the LoRA layers: a pass with LoRA on takes each row's adapter
 from the pass context (context.py; what ``switch.adapters(rows)`` gave it), a draft pass none.
 ``BankSwitch`` does it through the adapter bank's batched kernels (bank.py; the default);
-``PeftSwitch`` through PEFT's own per-adapter loop (the reference). Both act only in the call's
-passes: another thread running the model meanwhile gets its LoRA layers as they are.
+``PeftSwitch`` through PEFT's own per-adapter loop (the reference). Both route the modules
+adapters train whole (``modules_to_save``) per row too (saved_modules.py), and act only in the
+call's passes: another thread running the model meanwhile gets its layers as they are.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import contextlib
 import torch
 
 from .bank import get_bank
+from .context import selected
 from .lora import BASE, lora_layers
+from .quantized import output_dtype
+from .saved_modules import SavedModules
 from .state import forwards
 
 
@@ -25,12 +29,6 @@ def _key(rows):
     return ("some", *rows.tolist())
 
 
-def _selected(values: list, rows) -> list:
-    if rows is None:
-        return values
-    return values[rows] if isinstance(rows, slice) else [values[r] for r in rows.tolist()]
-
-
 class PeftSwitch:
     """LoRA through PEFT's own layers: a LoRA-on pass runs PEFT's forward (its ``adapter_names``
     loop for a mixed batch; its active adapter otherwise), a draft pass the base layer alone.
@@ -39,12 +37,14 @@ class PeftSwitch:
     def __init__(self, model, mixed: bool):
         self.layers = lora_layers(model)
         self.mixed, self.names, self.context = mixed, [], None
+        self.saved = SavedModules(model, mixed)
 
     @contextlib.contextmanager
     def installed(self, context):
         self.context = context
-        with forwards({m: (lambda x, *args, _m=m, _f=m.forward, **kw: (
-                self._forward(_m, _f, x, *args, **kw) if context.mine() else _f(x, *args, **kw))) for m in self.layers}):
+        routed = {m: (lambda x, *args, _m=m, _f=m.forward, **kw: (
+            self._forward(_m, _f, x, *args, **kw) if context.mine() else _f(x, *args, **kw))) for m in self.layers}
+        with forwards(routed), self.saved.installed(context):
             yield self
 
     def _forward(self, m, original, x, *args, **kwargs):
@@ -53,15 +53,20 @@ class PeftSwitch:
         if p.drafter is not None:
             return m.base_layer(x, *args, **kwargs)
         if p.adapters is not None:
+            if m.lora_variant and not m.disable_adapters:
+                # DoRA (checks.check_model): PEFT's mixed batch computes its rows as each row alone does;
+                # only its argument check refuses them.
+                return m._mixed_batch_forward(x, *args, adapter_names=p.adapters, **kwargs)
             kwargs["adapter_names"] = p.adapters
         return original(x, *args, **kwargs)
 
     def set_rows(self, adapter_names: list) -> None:
         """Each row's adapter (None or "__base__": none)."""
         self.names = [a or BASE for a in adapter_names]
+        self.saved.set_rows(self.names)
 
     def adapters(self, rows=None):
-        return _selected(self.names, rows) if self.mixed else None
+        return selected(self.names, rows) if self.mixed else None
 
 
 class BankSwitch:
@@ -73,11 +78,12 @@ class BankSwitch:
         self.mixed = mixed
         self.row_slots, self._views = None, {}
         self._synced = set()
+        self.saved = SavedModules(model, mixed)
 
     @contextlib.contextmanager
     def installed(self, context):
         self.bank.round_delta = self.mixed  # PEFT's numerics: mixed batch, or one active adapter
-        with self.bank.installed(context):
+        with self.bank.installed(context), self.saved.installed(context):
             yield self
 
     def set_rows(self, adapter_names: list) -> None:
@@ -86,7 +92,9 @@ class BankSwitch:
         if new:  # compare these adapters' weights with the bank's copy once per switch (one per call)
             self.bank.sync(new)
             self._synced |= new
-        self.row_slots = self.bank.slots([a or BASE for a in adapter_names])
+        names = [a or BASE for a in adapter_names]
+        self.row_slots = self.bank.slots(names)
+        self.saved.set_rows(names)
         self._views = {}  # the bank memoizes metadata per slot tensor: one tensor per row set
 
     def adapters(self, rows=None):
@@ -109,11 +117,13 @@ def bank_inexact(model, adapters) -> str | None:
     it is at least as precise as the base layers' (float32 adapters on a bfloat16 model, PEFT's
     default, included); otherwise its rounding would show (a bfloat16 adapter on a float64 model).
     """
-    used, widest = set(), None
+    used, widest, dtype = set(), None, model.get_base_model().dtype
     for m in lora_layers(model):
-        base = m.get_base_layer().weight.dtype
+        base = output_dtype(m, dtype)
         for a, lin in m.lora_A.items():
             kinds = {lin.weight.dtype, m.lora_B[a].weight.dtype}
+            if a in m.lora_magnitude_vector:  # DoRA's scales are stacked in the bank's dtype too
+                kinds.add(m.lora_magnitude_vector[a].weight.dtype)
             for d in kinds:
                 widest = d if widest is None else torch.promote_types(widest, d)
             if a in adapters:

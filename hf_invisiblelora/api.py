@@ -23,6 +23,7 @@ from .adapters import bank_inexact
 from .bank import get_bank
 from .checks import (
     check_adapter_state,
+    check_cache,
     check_call,
     check_compile,
     check_model,
@@ -38,6 +39,7 @@ from .policies import GeneratePolicy
 from .prepack import check_mode as check_prepack
 from .processors import ScoreHistory, reads_scores, split_criteria, step_outputs
 from .rotary import Recompute, length_dependent, recompute_slot
+from .saved_modules import saves_modules
 from .session import Session, lora_backend as choose_lora_backend
 from .state import state_of
 from .stats import DecodingStats
@@ -85,6 +87,10 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         (where the copies fit in half the memory available), True or False.
     With ``return_dict_in_generate=True`` the output has ``.stats`` (DecodingStats); the last
     call's stats are also at ``state_of(model).stats``. Calls on one model run one at a time.
+    A ``cache=`` (``past_key_values=``) DynamicCache is extended in place, as standard decoding
+    extends it; one that an earlier call returned, with input_ids that call's sequences plus new
+    tokens (a chat's next turn), is continued: only the tokens it does not hold are prefilled
+    (checks.check_cache lists the caches refused).
     """
     check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab)
     check_prepack(prepack)
@@ -110,12 +116,13 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
                          f"({why}); use compile=False, or cast the adapters to one dtype.")
     lora_backend = choose_lora_backend(model, names, lora_backend)
     compile_backend = backend_for(compile, model.device, model.dtype, lora_backend)
-    length_varying = any(length_dependent(m) for m in inner.modules())
-    if compile == "auto" and length_varying:
+    # Compiled passes follow neither RoPE that depends on the length nor modules_to_save (checks.check_compile).
+    eager = any(length_dependent(m) for m in inner.modules()) or saves_modules(inner)
+    if compile == "auto" and eager:
         compile_backend = None
     check_compile(compile_backend, inner)
     # "auto" on the CPU: the compiled passes of a warmed-up bucket (warm_up), never a compilation.
-    warm_only = compile == "auto" and compile_backend is None and not length_varying and lora_backend == "bank" \
+    warm_only = compile == "auto" and compile_backend is None and not eager and lora_backend == "bank" \
         and model.device.type == "cpu"
     streamer = kwargs.pop("streamer", None)
     tokenizer = kwargs.pop("tokenizer", None)
@@ -126,11 +133,13 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
 
     # generate() calls this after its preparation; ``input_ids`` are then expanded for num_return_sequences.
     def decode(inner, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+        mask, cache = model_kwargs.get("attention_mask"), model_kwargs.get("cache")
+        given = cache if getattr(cache, "_is_user_defined", False) else None  # the caller's: extended in place
+        check_cache(given, input_ids, mask, generation_config, inner)  # first: it explains input_ids of another length
         check_call(generation_config, logits_processor, model_kwargs, input_ids, streamer)
         b, prompt_len = input_ids.shape
         rows = _expand(names, b)
         stats.adapter_names = rows
-        mask = model_kwargs.get("attention_mask")
         positions = model_kwargs.get("position_ids")
         if positions is None:
             positions = prompt_positions(mask, input_ids)
@@ -175,8 +184,11 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
             keep_prefill=want_scores or want_logits,
         )
         fwd = session.fwd
+        past = given.get_seq_length() if given is not None else 0
+        if past:  # a continued cache: its keys and values at their slots, the prefill starts after them
+            fwd.cache.load(given, b)
         with session.installed() as decoder:
-            kept = decoder.admit(list(range(b)), input_ids, mask, positions, [max_new] * b, rows)
+            kept = decoder.admit(list(range(b)), input_ids, mask, positions, [max_new] * b, rows, cached=past)
             while True:
                 if streamer is not None and kept[0]:
                     end = prompt_len + decoder.batch.gen_h[0]
@@ -190,7 +202,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
             decoder.fill_stats(stats, new)
             if streamer is not None:
                 streamer.end()
-            if not returned:
+            if not returned and given is None:
                 session.rotary.finish(prompt_len, new)
                 return sequences
             scores = logits = None
@@ -200,8 +212,11 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
                 if raw is not None:
                     scores, logits = step_outputs(logits_processor, sequences, prompt_len, raw, want_scores)
                     logits = logits if want_logits else None
-            cache = _returned_cache(fwd, decoder.batch, sequences, inner.config, copy=backend is not None, fed=fed)
+            cache = _returned_cache(fwd, decoder.batch, sequences, inner.config, copy=backend is not None, fed=fed,
+                                    into=given)
             session.rotary.finish(prompt_len, new)  # after the passes above: the rotary modules as standard decoding leaves them
+        if not returned:
+            return sequences
         return InvisibleLoRAOutput(sequences=sequences, scores=scores, logits=logits, cache=cache, stats=stats)
 
     with state.hold():
@@ -261,12 +276,14 @@ def _step_logits(fwd, decoder, sequences, prompt_len: int, new: int, keep: bool 
     return out
 
 
-def _returned_cache(fwd, batch, sequences, config, copy: bool, fed: bool = False):
+def _returned_cache(fwd, batch, sequences, config, copy: bool, fed: bool = False, into=None):
     """The DynamicCache standard generate() returns: keys/values of every token but the last.
 
     Rows that finished early were fed their EOS and padding by standard decoding (one step per
     token of the longest row); one LoRA-on pass over those tail slots computes the same entries.
-    ``fed``: ``_step_logits`` has already fed all of them.
+    ``fed``: ``_step_logits`` has already fed all of them. ``into``: the caller's cache= (empty, or
+    holding a prefix: a continued call), extended in place with the rest and returned, as standard
+    decoding extends it (also when the output is only the sequences).
     """
     b, length = sequences.shape
     end = length - 1  # standard decoding never feeds the last token
@@ -274,7 +291,7 @@ def _returned_cache(fwd, batch, sequences, config, copy: bool, fed: bool = False
     if first < end and not fed:
         start = torch.full((b,), first, dtype=torch.long, device=sequences.device)
         fwd(sequences[:, first:end], start, end, keep=1)
-    return fwd.cache.to_dynamic(config, end, rows=b, copy=copy)
+    return fwd.cache.to_dynamic(config, end, rows=b, copy=copy, into=into)
 
 
 def _expand(names: list[str], rows: int) -> list[str]:

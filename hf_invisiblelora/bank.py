@@ -8,7 +8,17 @@ per-forward metadata that lets one batched op per layer replace PEFT's loop over
 
 Numerics follow PEFT: the stacks keep the adapters' own dtype (PEFT keeps float32 adapters on a
 bfloat16 model), the input is cast to it, and the delta is added as PEFT adds it: rounded to the
-output's dtype first for a mixed batch (``adapter_names=``), in the adapters' dtype otherwise.
+output's dtype first for a mixed batch (``adapter_names=``), in the adapters' dtype otherwise
+(PEFT's bitsandbytes layers round it always). A quantized base layer computes its own output.
+
+DoRA adapters (PEFT's DoraLinearLayer, eval mode) scale each output column by magnitude /
+||W + scaling * B @ A||, fixed while the weights are: each layer with DoRA slots keeps that scale per
+slot (ones for plain LoRA and for no LoRA), computed by PEFT's own methods when a slot is written
+(the magnitude vector is followed with the adapter's weights; the base weights are taken as fixed,
+as PEFT's LoRA leaves them), and turns a token's base output and delta into
+out + (scale - 1) * (out - bias) + scale * delta by the token's slot, rounded once as PEFT's DoRA
+forward rounds it. Embedding LoRA (PEFT's Embedding) is not stacked: its one layer per model adds
+PEFT's own term per adapter to the adapter's tokens, from PEFT's weights at each pass.
 """
 
 import contextlib
@@ -17,10 +27,13 @@ import weakref
 from typing import NamedTuple
 
 import torch
+from peft.tuners.lora.layer import Embedding as LoraEmbedding
+from peft.utils.integrations import dequantize_module_weight
 from torch import nn
 
 from . import kernels
-from .lora import named_lora_layers
+from .lora import layer_adapters, named_lora_layers
+from .quantized import rounds_delta
 from .state import forwards, state_of
 
 # Sibling LoRA layers that read the same input tensor in the architectures we know. Their shrinks
@@ -97,11 +110,26 @@ class _Packs:
         self.cache = {}
 
 
+def _dora_scale(m, a: str) -> torch.Tensor:
+    """DoRA's column scale of adapter ``a`` in layer ``m``, magnitude / ||W + scaling * B @ A||, by
+    PEFT's own DoraLinearLayer methods as its forward calls them (in the adapter's dtype: the input's,
+    cast to it)."""
+    dora, lora_A = m.lora_magnitude_vector[a], m.lora_A[a]
+    dtype = lora_A.weight.dtype
+    lora_weight = dora.get_lora_weight(lora_A=lora_A, lora_B=m.lora_B[a], adapter_name=a).to(dtype)
+    weight = dequantize_module_weight(m.get_base_layer()).to(dtype)
+    return dora.weight / dora.get_weight_norm(weight=weight, lora_weight=lora_weight, scaling=m.scaling[a],
+                                              adapter_name=a)
+
+
 class _Stacks:
     """One LoRA layer's stacked weights: A [S, R, in], B*scaling [S, out, R] (zeros where absent).
     R is the largest rank rounded up to a multiple of 4 (aligned slices for grouped matmuls).
     ``transposed``: store them as [S, in, R] and [S, R, out], the layout the torch path's matmuls
-    read fastest (x @ A[s].T); the Triton kernels take either through strides."""
+    read fastest (x @ A[s].T); the Triton kernels take either through strides.
+    DoRA slots (``dora``): ``scale`` [S + 1, out] their column scales (ones elsewhere; the last row
+    for slot -1, no LoRA), ``is_dora`` [S + 1] which slots they are, ``magnitudes`` what the scales
+    were computed from."""
 
     def __init__(self, m, names, dtype, transposed: bool):
         self.module, self.names = m, names
@@ -113,7 +141,13 @@ class _Stacks:
         self.ranks = [ranks.get(a, 0) for a in names]  # per slot, 0 where absent
         self.packs = _Packs()
         self.group, self.cols = None, (0, r_max)
+        self.rounds = rounds_delta(m)  # the layer rounds its LoRA terms also for one adapter (quantized.py)
         self.fixed = None  # this layer's fixed pack (AdapterBank.fix)
+        self.dora = {slot for slot, a in enumerate(names) if a in m.lora_magnitude_vector}
+        if self.dora:
+            self.scale = torch.ones(len(names) + 1, m.out_features, **like)
+            self.is_dora = torch.tensor([s in self.dora for s in range(len(names) + 1)], device=like["device"])
+            self.magnitudes = {}
         for slot, a in enumerate(names):
             if a in ranks:
                 self.write(slot, a)
@@ -137,20 +171,26 @@ class _Stacks:
         A, B = self._values(a)
         r = A.shape[0]
         self.A[slot, :r], self.B[slot, :, :r] = A, B
+        if slot in self.dora:  # in place: compiled passes keep reading the same tensor
+            self.magnitudes[slot] = self.module.lora_magnitude_vector[a].weight.detach().clone()
+            self.scale[slot] = _dora_scale(self.module, a)
         self.packs.clear()
         if self.group is not None:
             self.group.packs.clear()
 
     @torch.no_grad()
     def changed(self, adapters=None) -> list:
-        """(slot, adapter) whose weights or scaling differ from the stacks (exact comparison: it also
-        sees edits through ``.data``, which no version counter records); only ``adapters`` if given."""
+        """(slot, adapter) whose weights, scaling or DoRA magnitude differ from the stacks (exact
+        comparison: it also sees edits through ``.data``, which no version counter records); only
+        ``adapters`` if given."""
         out = []
         for slot, a in enumerate(self.names):
             if a in self.module.lora_A and (adapters is None or a in adapters):
                 A, B = self._values(a)
                 r = A.shape[0]
-                if not (torch.equal(self.A[slot, :r], A) and torch.equal(self.B[slot, :, :r], B)):
+                if not (torch.equal(self.A[slot, :r], A) and torch.equal(self.B[slot, :, :r], B)) or \
+                        slot in self.dora and not torch.equal(self.magnitudes[slot],
+                                                              self.module.lora_magnitude_vector[a].weight):
                     out.append((slot, a))
         return out
 
@@ -221,13 +261,17 @@ class AdapterBank:
             for a, lin in m.lora_A.items():
                 wa, wb = lin._parameters["weight"], m.lora_B[a]._parameters["weight"]
                 sig.append((a, wa.shape, wb.shape, wa.dtype, wb.dtype, wa.device, wb.device))
+            # Embedding adapters take slots (their weights are read at each pass); DoRA's scales are stacked.
+            sig.append((tuple(m.lora_embedding_A), tuple((a, d.weight.dtype, d.weight.device)
+                                                          for a, d in m.lora_magnitude_vector.items())))
         return tuple(sig)
 
     def sync(self, adapters=None) -> None:
         """Follow the model's adapters: rebuild the stacks if adapters were added, deleted or moved
-        (device, dtype); rewrite the slots of adapters whose weights or scaling changed (by any route:
-        in-place ops, ``.data`` edits, load_state_dict, optimizer steps, set_scale). ``adapters``: compare
-        only these adapters' weights (those a call uses; the others are compared when a call uses them)."""
+        (device, dtype); rewrite the slots of adapters whose weights, scaling or DoRA magnitude changed
+        (by any route: in-place ops, ``.data`` edits, load_state_dict, optimizer steps, set_scale).
+        ``adapters``: compare only these adapters' weights (those a call uses; the others are compared
+        when a call uses them)."""
         signature = self._structure()
         if signature != self._signature:
             self._build()
@@ -243,12 +287,12 @@ class AdapterBank:
         self.modules = named_lora_layers(self.model)
         if not self.modules:
             raise ValueError("no PEFT LoRA layers found in the model")
-        names = list(dict.fromkeys(a for _, m in self.modules for a in m.lora_A))
+        names = list(dict.fromkeys(a for _, m in self.modules for a in layer_adapters(m)))
         self.adapter_names = names
         weight = self.modules[0][1].get_base_layer().weight
         self.device = weight.device
         adapters = [w for _, m in self.modules for a in m.lora_A for w in (m.lora_A[a].weight, m.lora_B[a].weight)]
-        dtype = adapters[0].dtype
+        dtype = adapters[0].dtype if adapters else weight.dtype  # embedding LoRA alone: no stacks
         for w in adapters:
             dtype = torch.promote_types(dtype, w.dtype)
         self.dtype = dtype
@@ -341,7 +385,7 @@ class AdapterBank:
             y = self._packed_shrink(x2, own, meta)
         else:
             y = self._shared(group, x, meta, lambda: self._packed_shrink(x2, packed, meta))[:, columns]
-        if self.round_delta or out.dtype == B.dtype:
+        if self.round_delta or layer.rounds or out.dtype == B.dtype:
             out.addmm_(y, B) if out.dtype == B.dtype else out.add_((y @ B).to(out.dtype))
         else:  # PEFT's one-adapter numerics: the sum in the adapter's dtype (rows without LoRA add an exact 0)
             out.copy_((out.to(B.dtype) + y @ B).to(out.dtype))
@@ -412,22 +456,70 @@ class AdapterBank:
         if args or kwargs or type(base) is not nn.Linear or base.__dict__.get("forward") or base._forward_hooks \
                 or base._forward_pre_hooks:
             out = base(x, *args, **kwargs)
-        else:  # a plain Linear: skip the module call (about 210 of these per step)
+        else:  # a plain Linear: skip the module call (about 210 of these per step); a torchao weight computes F.linear
             out = nn.functional.linear(x, base.weight, base.bias)
-        if layer is None or p.drafter is not None or p.adapters is None or m.disable_adapters:
+        embedding = isinstance(m, LoraEmbedding)  # its input is token ids
+        if layer is None and not embedding or p.drafter is not None or p.adapters is None or m.disable_adapters:
             return out  # no LoRA here: no adapter in this layer, a draft pass, or PEFT's adapters disabled
-        x2 = x.reshape(-1, x.shape[-1])  # tokens in row order: row b's tokens are consecutive
+        # Tokens in row order: row b's tokens are consecutive.
+        x2 = x.reshape(-1) if embedding else x.reshape(-1, x.shape[-1])
         meta = self._meta_for(p.adapters, x2.shape[0])
         if meta is None or meta.no_lora:
             return out
+        flat = out.view(-1, out.shape[-1])
+        if embedding:
+            self._embedding_delta(m, x2, flat, meta)
+            return out
         x2 = x2 if x2.dtype == self.dtype else x2.to(self.dtype)
+        dora = bool(layer.dora) and (meta.static or not layer.dora.isdisjoint(meta.active_slots))
+        # DoRA scales the base output too: the delta apart first, in the adapters' dtype.
+        delta = torch.zeros(flat.shape, dtype=self.dtype, device=flat.device) if dora else flat
         if self.ops is kernels.torch_lora and \
                 (meta.static or x2.shape[0] * (len(meta.active_slots) - 1) <= PACKED_WASTE):
-            self._packed_delta(layer, x, x2, out.view(-1, out.shape[-1]), meta)
+            self._packed_delta(layer, x, x2, delta, meta)
         else:
             y = self._shrink(layer, x, x2, meta)
-            self.ops.lora_expand(out.view(-1, out.shape[-1]), y, layer.B, meta, round_delta=self.round_delta)
+            self.ops.lora_expand(delta, y, layer.B, meta, round_delta=self.round_delta or layer.rounds)
+        if dora:
+            self._dora(layer, flat, delta, meta)
         return out
+
+    def _dora(self, layer, out, delta, meta) -> None:
+        """``out`` (the base output, [T, out]) becomes PEFT's DoRA result for each token on a DoRA slot:
+        out + ((scale - 1) * (out - bias) + scale * delta), the sum in the adapters' dtype rounded once,
+        with adapter_names or without; out + delta for the others (their scale is 1), rounded as the
+        bank adds a delta (the module docstring)."""
+        bias = layer.module.get_base_layer().bias
+        scale = layer.scale[meta.token_slots]  # slot -1 (no LoRA) reads the last row: ones
+        base = out if bias is None else out - bias  # in the output's dtype, as PEFT subtracts it
+        result = out + ((scale - 1) * base + scale * delta)
+        if self.round_delta and out.dtype != delta.dtype:  # the plain-LoRA tokens: the delta rounded first
+            result = torch.where(layer.is_dora[meta.token_slots][:, None], result, out + delta.to(out.dtype))
+        out.copy_(result)
+
+    def _embedding_delta(self, m, ids, out, meta) -> None:
+        """out [T, dim] += each token's embedding LoRA term, as PEFT's Embedding computes it in a mixed
+        batch: per adapter, its tokens' ids embedded in A.T, @ B.T, * scaling, * the base layer's embed
+        scale, added in place. Static metadata (compiled passes): every slot over all tokens, zero off
+        its own."""
+        embed_scale = m._get_embed_scale()
+        if meta.static:
+            parts = [(s, None) for s in range(len(self.adapter_names))]
+        else:
+            parts = zip(meta.active_slots, [0] + meta.bounds[:-1], meta.bounds)
+            parts = [(s, meta.sorted_tokens[lo:hi]) for s, lo, hi in parts]
+        for s, tokens in parts:
+            a = self.adapter_names[s]
+            if a not in m.lora_embedding_A:
+                continue
+            after_A = m._embed(ids if tokens is None else ids[tokens], m.lora_embedding_A[a].T)
+            term = (after_A @ m.lora_embedding_B[a].T) * m.scaling[a]
+            if embed_scale is not None:
+                term = term * embed_scale.to(term.dtype)
+            if tokens is None:
+                out += torch.where((meta.token_slots == s)[:, None], term, 0)
+            else:
+                out[tokens] += term
 
     @contextlib.contextmanager
     def installed(self, context):

@@ -80,13 +80,27 @@ class SharedCache(Cache):
     def nbytes(self) -> int:
         return sum(x.keys.nbytes + x.values.nbytes for x in self.layers if x.is_initialized)
 
-    def to_dynamic(self, config, length: int, rows: int, copy: bool) -> DynamicCache:
+    def load(self, cache: DynamicCache, rows: int) -> None:
+        """Slots [0, n) of rows 0..rows-1 from ``cache``, a DynamicCache of ``rows`` rows holding n
+        tokens each (the cache a continued generate() call is passed: the keys and values of its
+        tokens at their slots, as standard decoding's own cache holds them)."""
+        for layer, given in zip(self.layers, cache.layers):
+            if not layer.is_initialized:
+                layer.lazy_initialization(given.keys, given.values)
+            n = given.keys.shape[-2]
+            layer.keys[:rows, :, :n] = given.keys
+            layer.values[:rows, :, :n] = given.values
+
+    def to_dynamic(self, config, length: int, rows: int, copy: bool, into: DynamicCache | None = None) -> DynamicCache:
         """The first ``length`` slots of the first ``rows`` rows as the DynamicCache standard
-        generate() returns (views of this cache unless ``copy``: a kept cache is reused later)."""
-        out = DynamicCache(config=config)
+        generate() returns (views of this cache unless ``copy``: a kept cache is reused later).
+        ``into``: the DynamicCache generate() was passed, holding the first n slots already, extended
+        in place with the others and returned, as standard decoding extends it."""
+        out = DynamicCache(config=config) if into is None else into
+        start = out.get_seq_length()
         for i, layer in enumerate(self.layers):
             if layer.is_initialized:
-                k, v = layer.keys[:rows, :, :length], layer.values[:rows, :, :length]
+                k, v = layer.keys[:rows, :, start:length], layer.values[:rows, :, start:length]
                 out.update(k.clone() if copy else k, v.clone() if copy else v, i)
         return out
 

@@ -1,8 +1,9 @@
 """The one validation step: everything InvisibleLoRA cannot serve is refused here, before anything
 changes, with a ValueError naming the problem and what to do.
 
-``check_model`` runs before generate()'s preparation, ``check_call`` after it (on the generation
-config, processors and model inputs generate() built), both before the model is touched.
+``check_model`` runs before generate()'s preparation, ``check_cache`` and ``check_call`` after it (on
+the generation config, processors, model inputs and cache generate() built or was passed), all before
+the model is touched.
 """
 
 from __future__ import annotations
@@ -11,16 +12,19 @@ import inspect
 from typing import Sequence
 
 from peft import PeftModel
-from peft.tuners.lora.layer import Linear as LoraLinear
-from transformers.cache_utils import get_layer_types_and_kwargs
+from peft.tuners.lora.layer import Embedding as LoraEmbedding, Linear as LoraLinear
+from peft.tuners.lora.variants import DoraLinearVariant
+from transformers.cache_utils import DynamicCache, DynamicLayer, get_layer_types_and_kwargs
 from transformers.generation import logits_process as lp
 from transformers.generation.configuration_utils import GenerationMode
 
 from .cache import ATTENTION_LAYERS
 from .drafters import check_vocabulary_option
 from .layout import ATTENTION
-from .lora import BASE, all_modules, lora_layers, named_lora_layers
+from .lora import BASE, all_modules, layer_adapters, lora_layers, named_lora_layers
+from .quantized import check_layer, check_weights
 from .rotary import length_dependent
+from .saved_modules import saves_modules
 
 GATE_MODES = ("auto", "always", "never")
 LORA_BACKENDS = ("bank", "peft")
@@ -60,7 +64,8 @@ def check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab=Non
 
 
 def check_model(model) -> None:
-    """The model and its adapters: PEFT LoRA on linear layers, unmerged, in eval mode, on an
+    """The model and its adapters: PEFT LoRA on linear layers (plain or quantized: quantized.py) and
+    embedding layers, DoRA on plain linear layers (bank.py), unmerged, in eval mode, on an
     architecture whose attention, positions and cache InvisibleLoRA can drive per row."""
     if not isinstance(model, PeftModel):
         raise ValueError(
@@ -75,10 +80,11 @@ def check_model(model) -> None:
     if model.training:
         raise ValueError("invisible_lora decodes in inference mode: call model.eval() first (dropout must be off).")
     for name, cfg in model.peft_config.items():
-        if getattr(cfg, "modules_to_save", None) or getattr(cfg, "trainable_token_indices", None):
+        # modules_to_save are served, each row through its adapter's copy (saved_modules.py).
+        if getattr(cfg, "trainable_token_indices", None):
             raise ValueError(
-                f"Adapter {name!r} trains whole modules (modules_to_save / trainable_token_indices), which "
-                "invisible_lora cannot switch off for drafting. Serve it with plain generate()."
+                f"Adapter {name!r} trains single token embeddings (trainable_token_indices), which invisible_lora "
+                "does not serve per row. Serve it with plain generate(), or train whole modules (modules_to_save)."
             )
     layers = lora_layers(model)
     if not layers:
@@ -89,17 +95,18 @@ def check_model(model) -> None:
                 "Some adapters are merged into the base weights, so the base model cannot draft. "
                 "Call model.unmerge_adapter() first."
             )
-        if type(m) is not LoraLinear:
-            raise ValueError(
-                f"invisible_lora supports LoRA on Linear layers (peft.tuners.lora.layer.Linear) only, found "
-                f"{type(m).__module__}.{type(m).__name__} (embedding, convolution or quantized LoRA). "
-                "Use target_modules on linear layers of an unquantized model."
-            )
-        if m.lora_variant:
-            variants = {a: type(v).__name__ for a, v in m.lora_variant.items()}
-            raise ValueError(f"LoRA variants (DoRA, aLoRA, ...) are not supported: {variants}. Serve them with plain generate().")
+        if type(m) is not LoraEmbedding:  # embedding LoRA: PEFT's own term per row (bank.py)
+            check_layer(m)
+        variants = {a: type(v).__name__ for a, v in m.lora_variant.items()
+                    if not (type(v) is DoraLinearVariant and type(m) is LoraLinear)}
+        if variants:
+            raise ValueError(f"Of the LoRA variants, invisible_lora serves DoRA on Linear layers "
+                             f"(peft.tuners.lora.layer.Linear); found {variants} on {type(m).__name__} (aLoRA and "
+                             "other variants, DoRA on embedding, convolution or quantized layers). Serve them with "
+                             "plain generate().")
         if any(m.lora_bias.values()):
             raise ValueError("LoRA adapters with lora_bias=True are not supported. Serve them with plain generate().")
+    check_weights(model)
     check_architecture(model.get_base_model())
 
 
@@ -118,7 +125,8 @@ def check_adapter_state(model, names: list[str], mixed: bool) -> None:
     if mixed:
         return
     active = set(names) - {BASE}
-    odd = [name for name, m in named_lora_layers(model) if set(m.active_adapters) & set(m.lora_A) != active & set(m.lora_A)]
+    odd = [name for name, m in named_lora_layers(model)
+           if set(m.active_adapters) & set(layer_adapters(m)) != active & set(layer_adapters(m))]
     if odd:
         raise ValueError(f"LoRA layers {odd[:3]}{' ...' if len(odd) > 3 else ''} have other active adapters than the "
                          f"model's {sorted(active)}; pass adapter_names=[...] (or call model.set_adapter(...)).")
@@ -178,6 +186,9 @@ def check_compile(backend, inner) -> None:
     if backend is not None and any(length_dependent(m) for m in inner.modules()):
         raise ValueError("compile=True does not support rotary embeddings that depend on the sequence length "
                          "(dynamic NTK, LongRoPE); use compile=False.")
+    if backend is not None and saves_modules(inner):
+        raise ValueError("compile=True does not support adapters with modules_to_save (each pass picks every "
+                         "row's copy of those modules on the host); use compile=False.")
 
 
 def resolve_adapter_names(model: PeftModel, adapter_names: Sequence[str] | None, batch_size: int) -> list[str]:
@@ -234,13 +245,65 @@ def check_call(config, processors, model_kwargs, input_ids, streamer) -> None:
     extra = sorted(k for k, v in model_kwargs.items() if _given(v) and k not in _MODEL_INPUTS)
     if extra:
         raise ValueError(f"invisible_lora takes input_ids, attention_mask and position_ids; got {extra} too.")
-    cache = model_kwargs.get("cache")
-    if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError("invisible_lora starts from the prompt: a prefilled cache= cannot be continued. "
-                         "Pass the whole sequence as input_ids instead.")
     positions = model_kwargs.get("position_ids")
     if positions is not None and tuple(positions.shape) != tuple(input_ids.shape):
         raise ValueError(f"position_ids must have the shape of input_ids {tuple(input_ids.shape)}, "
                          f"got {tuple(positions.shape)} (multi-axis positions are not supported).")
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("A streamer needs a batch of one row (as in standard generate).")
+
+
+def check_cache(cache, input_ids, attention_mask, config, inner) -> None:
+    """The caller's ``cache=`` (``past_key_values=``), which standard decoding extends in place: empty,
+    or holding the keys and values of the first tokens of ``input_ids`` (an earlier call's returned
+    cache, input_ids that call's sequences plus new tokens), which decoding then continues from.
+    ``attention_mask`` and ``config``: as generate() prepared them (an all-ones mask is None then)."""
+    if cache is None:
+        return
+    if not isinstance(cache, DynamicCache) or cache.offloading:
+        kind = ("an offloaded " if isinstance(cache, DynamicCache) else "a ") + type(cache).__name__
+        raise ValueError(f"invisible_lora decodes in a cache of its own and extends the cache= passed with the "
+                         f"result, as standard decoding extends a DynamicCache; it cannot fill {kind} as standard "
+                         "decoding does. Pass a DynamicCache or no cache, or use plain generate().")
+    text = inner.config.get_text_config(decoder=True)
+    kinds = [type(layer) for layer in cache.layers] or [cache.layer_class_to_replicate] * text.num_hidden_layers
+    expected = [type(layer) for layer in DynamicCache(config=text).layers]
+    if kinds != expected:
+        names = lambda ks: sorted({k.__name__ for k in ks})  # noqa: E731
+        raise ValueError(f"The cache's {len(kinds)} layers ({names(kinds)}) are not the {len(expected)} layers "
+                         f"({names(expected)}) generate() makes for {type(inner).__name__}: a cache of another "
+                         "model, or one whose layers keep other keys than the model's masks (sliding windows) ask "
+                         "for. Pass DynamicCache(config=model.config), or no cache.")
+    past = cache.get_seq_length()
+    if past == 0:
+        return
+    if any(length_dependent(m) for m in inner.modules()):
+        raise ValueError("A cache cannot be continued with rotary embeddings that depend on the sequence length "
+                         "(dynamic NTK, LongRoPE, whose Phi-3 models also recompute the cache past their original "
+                         "length). Use plain generate().")
+    windowed = sorted({k.__name__ for k in kinds if k is not DynamicLayer})
+    if windowed:
+        raise ValueError(f"A cache can be continued when every layer holds every token's keys and values; this "
+                         f"one has {windowed} layers, which keep only the last window of them (sliding-window or "
+                         "chunked attention). Pass the whole sequence as input_ids without a cache, or use plain "
+                         "generate().")
+    b, p = input_ids.shape
+    lengths = {layer.get_seq_length() for layer in cache.layers}
+    if lengths != {past}:
+        raise ValueError(f"The cache's layers hold different numbers of tokens ({sorted(lengths)}): pass the cache "
+                         "an earlier call returned, unchanged.")
+    rows = {layer.keys.shape[0] for layer in cache.layers}
+    if rows != {b}:
+        why = f" (generate() repeats input_ids {config.num_return_sequences} times for num_return_sequences, not " \
+              "the cache)" if config.num_return_sequences > 1 else ""
+        raise ValueError(f"The cache holds {sorted(rows)} rows but the batch has {b}{why}: pass the cache of these "
+                         "rows' earlier call.")
+    covered = attention_mask.shape[1] if attention_mask is not None else getattr(config, "_mask_length", p)
+    if covered != p or past >= p:
+        raise ValueError(f"With a cache of {past} tokens, input_ids must be the whole sequence (the earlier call's "
+                         f"sequences, then the new tokens), longer than the cache, and attention_mask must cover "
+                         f"it; got {p} input ids and a mask of {covered}.")
+    dtypes = {layer.keys.dtype for layer in cache.layers}
+    if dtypes != {inner.dtype}:
+        raise ValueError(f"The cache holds {sorted(map(str, dtypes))} keys and values, the model computes "
+                         f"{inner.dtype}: pass the cache this model returned.")

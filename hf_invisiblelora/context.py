@@ -16,8 +16,9 @@ object, forward.py) and read by what the model calls during it, as vLLM's ``set_
     query     [b, q] the slot of every query token (derived)
 
 Readers: the cache's writes (cache.py), the attention masks (layout.py), the rotary embeddings
-(rotary.py), the LoRA layers (bank.py, adapters.py) and the drafter's layers (drafters.py). One
-context per decoder; each reader holds it from the call's start. ``mine()``: a pass of this
+(rotary.py), the LoRA layers (bank.py, adapters.py), the modules adapters train whole
+(saved_modules.py) and the drafter's layers (drafters.py). One context per decoder; each reader
+holds it from the call's start. ``mine()``: a pass of this
 context is running on this thread (the model state's owner thread, state.py: the one owner
 check). Our layer routing acts only then: another thread running the model meanwhile, or the
 call's own thread between passes (a user's processor running the model), gets every layer as it is.
@@ -80,3 +81,10 @@ class PassContext:
 def in_pass() -> bool:
     """Whether this thread is running one of our passes now."""
     return getattr(_THREAD, "context", None) is not None
+
+
+def selected(values: list, rows) -> list:
+    """The entries of ``values`` (one per decoder row) of a pass's ``rows``."""
+    if rows is None:
+        return values
+    return values[rows] if isinstance(rows, slice) else [values[r] for r in rows.tolist()]

@@ -199,11 +199,13 @@ class Decoder:
         self.scores, self.keep_prefill, self.prefill_logits = scores, keep_prefill, None
 
     def admit(self, idx: list[int], input_ids, attention_mask, positions, max_new: list[int], names: list[str],
-              upto: int | None = None):
+              upto: int | None = None, cached: int = 0):
         """Rows ``idx`` start on ``input_ids`` [n, P] (left-padded; ``attention_mask`` and
         ``positions`` as generate() gives them), prefilled with LoRA on: the whole prompt in one pass
         (``upto`` None), whose last position gives each its first token; or its slots [0, upto) only
         (0: none yet), a chunked prefill that ``prefill`` continues (``chunkable`` models only).
+        ``cached``: the cache holds slots [0, cached) of these rows already (a continued generate()
+        call: SharedCache.load), and the prefill starts after them, as standard decoding's does.
         Returns the tokens kept per row (host list, all rows), or None while the prompt is not all
         prefilled."""
         p = input_ids.shape[1]
@@ -217,7 +219,7 @@ class Decoder:
             for r in idx:
                 self.batch.done_h[r] = self.waiting[r] = True
             return None
-        return self.prefill(idx, 0, p if upto is None else min(upto, p))
+        return self.prefill(idx, cached, p if upto is None else min(upto, p))
 
     @property
     def chunkable(self) -> bool:

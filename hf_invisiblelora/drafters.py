@@ -32,7 +32,8 @@ the gate picks one per cycle by its measured draft cost and acceptance (gate.py)
   group of 32 inputs, PyTorch's CPU kernels ``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``,
   bfloat16 activations), which read 4x / 8x fewer weight bytes than float32. Which is faster
   depends on the CPU's kernels (benchmarks/bench_draft_kernels.py); a layer whose shape the int4
-  kernel does not take runs in bfloat16.
+  kernel does not take runs in bfloat16. Layers of a quantized base model (quantized.py) draft as
+  they are.
 
 Installed for one call; the forwards act only in its draft passes (the pass context, context.py).
 """
@@ -43,8 +44,11 @@ import contextlib
 from typing import Protocol
 
 import torch
+from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
+from .quantized import dense_weight, plain
+from .saved_modules import adapter_copies
 from .state import forwards
 
 COUNTS = "token_counts"  # the model state's key: how often each token id was seen
@@ -196,8 +200,9 @@ class BaseModelDrafter:
         self.context = context
         routed = {}
         if self.dtype is not None:  # every linear layer, the head too (the restricted head below takes the dtype)
+            copies = adapter_copies(self.inner)  # adapters' modules_to_save: draft passes run the originals
             for m in self.inner.modules():
-                if type(m) is nn.Linear:
+                if type(m) is nn.Linear and plain(m.weight) and m not in copies:  # quantized layers draft as they are
                     routed[m] = self._routed(m, self._low_precision(m))
         if self.vocab is not None:
             routed[self.head] = self._routed(self.head, self._restricted(self.head))
@@ -235,7 +240,7 @@ class BaseModelDrafter:
         vocab = self.vocab.to(head.weight.device)
         dtype = torch.bfloat16 if self.dtype in (torch.int8, torch.int4) else self.dtype or head.weight.dtype
         key = (dtype, vocab.cpu().numpy().tobytes())  # the ids themselves: another vocabulary is another head
-        w, b = self._weights(head, "vocab", key, lambda: (head.weight[vocab].to(dtype),
+        w, b = self._weights(head, "vocab", key, lambda: (dense_weight(head)[vocab].to(dtype),
                                                  None if head.bias is None else head.bias[vocab].to(dtype)))
 
         def forward(x):
@@ -246,5 +251,8 @@ class BaseModelDrafter:
 
 
 def _base(m):
-    """The plain Linear under a LoRA wrapper (LoRA on the output head)."""
+    """The plain Linear under a LoRA wrapper (LoRA on the output head), or the original under a
+    modules_to_save wrapper (the head the base model drafts with; saved_modules.py)."""
+    if isinstance(m, ModulesToSaveWrapper):
+        return m.original_module
     return m.get_base_layer() if hasattr(m, "get_base_layer") else m

@@ -130,7 +130,7 @@ class Engine:
         self.model, self.inner = model, inner
         self.max_batch, self.max_len, self.num_draft_tokens, self.gate_mode = max_batch, max_len, num_draft_tokens, gate
         self.max_queue = max_queue
-        self.vocab_size = inner.get_input_embeddings().num_embeddings
+        self.vocab_size = inner.get_input_embeddings().weight.shape[0]  # also under a LoRA or modules_to_save wrapper
         self.state = state_of(model)
         if isinstance(draft_vocab, (list, tuple, torch.Tensor)):
             draft_vocab = check_vocabulary(draft_vocab, inner)

@@ -35,3 +35,9 @@ def all_modules(model) -> list:
 
 def lora_layers(model) -> list:
     return [m for _, m in named_lora_layers(model)]
+
+
+def layer_adapters(m) -> list:
+    """The adapters with weights in LoRA layer ``m``, in PEFT's order (its Embedding keeps them in
+    lora_embedding_A)."""
+    return [*m.lora_A, *m.lora_embedding_A]

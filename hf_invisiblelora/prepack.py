@@ -3,12 +3,13 @@
     packed = PackedLinears(inner, state, "auto")      # once per session: the copies checked or made
     with packed.installed(context): ...                # our passes run them (the pass context, context.py)
 
-Every plain ``nn.Linear`` with a float32 weight on the CPU (the base layers under PEFT's LoRA
-wrappers, the layers no adapter targets, the output head) gets a copy of its weight in oneDNN's
-layout (kernels/packed_linear.py: a decode step's matmuls up to 2x faster), kept in the model
-state while the weight is unchanged; every pass of ours (prefill, LoRA-on, draft, verify) runs
-them, anything else (another thread, a user's processor calling the model) gets the layers as
-they are. A drafter's low-precision layers take the place of these in its passes.
+Every plain ``nn.Linear`` with a plain float32 weight on the CPU (the base layers under PEFT's
+LoRA wrappers, the layers no adapter targets, the output head; quantized layers compute as they
+are: quantized.py) gets a copy of its weight in oneDNN's layout (kernels/packed_linear.py: a
+decode step's matmuls up to 2x faster), kept in the model state while the weight is unchanged;
+every pass of ours (prefill, LoRA-on, draft, verify) runs them, anything else (another thread, a
+user's processor calling the model) gets the layers as they are. A drafter's low-precision layers
+take the place of these in its passes.
 
 The copies cost the weights' size again in memory: ``prepack="auto"`` makes them when they fit in
 half the memory available, ``True`` always, ``False`` never. The output is the model's up to
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from .kernels import packed_linear
+from .quantized import plain
 from .state import forwards
 
 logger = logging.getLogger("hf_invisiblelora")
@@ -60,9 +62,10 @@ def _row_sums(w: torch.Tensor) -> torch.Tensor:
 
 def _eligible(m) -> bool:
     """A plain Linear whose forward is only F.linear of its weight: not routed by anyone else (an
-    accelerate hook sets ``forward``), no pre-hook that recomputes its weight (pruning)."""
+    accelerate hook sets ``forward``), no pre-hook that recomputes its weight (pruning), a plain
+    float weight (a quantized one, a torchao tensor subclass, computes its own linear)."""
     w = getattr(m, "weight", None)
-    return type(m) is nn.Linear and isinstance(w, torch.Tensor) and w.dim() == 2 \
+    return type(m) is nn.Linear and plain(w) and w.dim() == 2 \
         and packed_linear.available(w.dtype, w.device) and "forward" not in m.__dict__ and not m._forward_pre_hooks
 
 

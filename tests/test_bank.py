@@ -162,9 +162,8 @@ def test_an_input_that_is_not_the_batch_tokens_is_reported():
 
 
 @pytest.mark.parametrize("config, problem", [
-    (dict(r=4, target_modules=["q_proj"], use_dora=True), "LoRA variant"),
+    (dict(r=4, target_modules=["embed_tokens", "q_proj"], use_dora=True), "LoRA variant"),  # DoRA on Linear only
     (dict(r=4, target_modules=["q_proj"], lora_bias=True), "lora_bias"),
-    (dict(r=4, target_modules=["embed_tokens", "q_proj"]), "Linear layers"),
 ])
 def test_unsupported_layers_are_refused(config, problem):
     with pytest.raises(ValueError, match=problem):

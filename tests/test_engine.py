@@ -313,12 +313,13 @@ def test_faults_stay_with_their_request(model, tmp_path):
         request = Request([3, 4], temperature=1, max_tokens=2)  # an int temperature is a number too
         assert engine.submit(request).result(60) and isinstance(request.temperature, float)
 
-        dora = get_peft_model(ARCHS["llama"](64).double(), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True),
-                              adapter_name="dora")
-        dora.save_pretrained(tmp_path)
+        alora = get_peft_model(ARCHS["llama"](64).double(),
+                               LoraConfig(r=4, target_modules=["q_proj"], alora_invocation_tokens=[5]),
+                               adapter_name="alora")
+        alora.save_pretrained(tmp_path)
         with pytest.raises(ValueError, match="variants"):
-            engine.load_adapter("dora", str(tmp_path / "dora" if (tmp_path / "dora").exists() else tmp_path))
-        assert "dora" not in engine.adapters() and engine.alive
+            engine.load_adapter("alora", str(tmp_path / "alora" if (tmp_path / "alora").exists() else tmp_path))
+        assert "alora" not in engine.adapters() and engine.alive
 
         held = [engine.submit(Request(random_prompt(g, 3), adapter="s", max_tokens=100, temperature=0))
                 for _ in range(2)]

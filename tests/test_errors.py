@@ -97,17 +97,14 @@ def test_merged_adapter(model):
     assert any(m.merged for m in lora_layers(model))  # still merged: nothing was undone
 
 
-def test_dora_refused():
+@pytest.mark.parametrize("config", [
+    dict(r=4, target_modules=["embed_tokens", "q_proj"], use_dora=True),  # DoRA is served on Linear layers only
+    dict(r=4, target_modules=["q_proj"], alora_invocation_tokens=[5]),
+], ids=["dora-embedding", "alora"])
+def test_variants_refused(config):
     base = ARCHS["llama"](64).double().eval()
-    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True), adapter_name="s").eval()
+    model = get_peft_model(base, LoraConfig(**config), adapter_name="s").eval()
     with pytest.raises(ValueError, match="variants"):
-        model.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=3, invisible_lora=True)
-
-
-def test_embedding_lora_refused():
-    base = ARCHS["llama"](64).double().eval()
-    model = get_peft_model(base, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]), adapter_name="s").eval()
-    with pytest.raises(ValueError, match="LoRA on Linear layers"):
         model.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=3, invisible_lora=True)
 
 

@@ -141,15 +141,15 @@ def assert_error(reply: Reply, status: int, code: str, *paths) -> dict:
 @pytest.fixture(scope="module")
 def lora_root(files, tmp_path_factory):
     """The folder runtime loading may read: a copy of the spare adapter (d), a symlink out of it, a
-    folder without an adapter, an adapter whose weights are missing, and a modules_to_save adapter
-    (which PEFT loads and the engine refuses)."""
+    folder without an adapter, an adapter whose weights are missing, and a lora_bias adapter (which
+    PEFT loads and the engine refuses)."""
     root = tmp_path_factory.mktemp("lora_root")
     shutil.copytree(files / "spare" / "d", root / "d")
     (root / "escape").symlink_to(files / "spare" / "d", target_is_directory=True)
     (root / "empty").mkdir()
     (root / "broken").mkdir()
     shutil.copy(files / "spare" / "d" / "adapter_config.json", root / "broken")
-    trains = {"m": dict(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])}
+    trains = {"m": dict(r=4, lora_alpha=8, target_modules=["q_proj"], lora_bias=True)}
     tiny_peft("llama", adapters=trains, dtype=torch.float32).save_pretrained(root / "whole")
     return root
 
@@ -260,7 +260,7 @@ def test_adapter_load_error_codes(server, client, files, lora_root, serves):
     cases = [("nope", "adapter_load_failed"),  # no such folder (PEFT would ask the Hub for it)
              ("empty", "adapter_load_failed"),  # no adapter_config.json
              ("broken", "adapter_load_failed"),  # no weights: PEFT's own error, whose text names the path
-             ("whole/m", "adapter_unsupported"),  # modules_to_save: the engine refuses it
+             ("whole/m", "adapter_unsupported"),  # lora_bias: the engine refuses it
              ("d", "adapter_exists")]  # under a name in use
     for folder, code in cases:
         name = "s" if code == "adapter_exists" else "new"
@@ -268,7 +268,7 @@ def test_adapter_load_error_codes(server, client, files, lora_root, serves):
         error = assert_error(reply, 400, code, files, lora_root)
         assert error["param"] == ("lora_name" if code == "adapter_exists" else "lora_path")
         if code == "adapter_unsupported":  # the engine's reason, in its words
-            assert "modules_to_save" in error["message"]
+            assert "lora_bias" in error["message"]
         assert adapter_ids(client) == [BASE_ID, "s", "b", "c"]
         serves()
     # The refused names load fine afterwards: nothing was left half-loaded.
