@@ -23,7 +23,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under pyt
 import common  # noqa: F401 - puts tests/ on the import path
 from arch_sweep import causal_lm_architectures, classify, dynamic_rope, sweep_verdict
 
-HEADER = """# Supported architectures
+HEADER = """# What is supported
+
+What InvisibleLoRA serves is served exactly (greedy: stock's tokens; sampling: stock's
+distribution). What it cannot serve exactly is refused with a ValueError naming the reason before
+anything changes (the server: at start, or a 400 `adapter_unsupported` from `/v1/load_lora_adapter`);
+such models and adapters run with plain `generate()`.
+
+## Adapters and base layers
+
+| adapter / base layer | | checked by (against) / why refused |
+|---|---|---|
+| plain LoRA on Linear layers (`lm_head` too), rank, alpha and rsLoRA per adapter, mixed batches with `__base__` rows | served | `tests/test_greedy.py`, `tests/test_configurations.py` (stock PEFT `generate(adapter_names=...)`, float64; `lm_head`: `test_lora_on_lm_head`); the server: `tests/test_serve.py` (standalone `generate()`) |
+| DoRA (`use_dora=True`) on Linear layers | served | `tests/test_dora_embedding.py` (each row alone under `set_adapter`, float64: PEFT's mixed batch refuses DoRA); server: `tests/test_serve_adapters.py`; real SmolLM2: `tests/test_smollm2.py` |
+| DoRA on other layers (embedding, convolution, quantized Linear) | refused | the bank computes DoRA's column scale for plain Linear layers only (`tests/test_errors.py`, `tests/test_bank.py`) |
+| embedding LoRA (`embed_tokens` in `target_modules`) | served | `tests/test_dora_embedding.py` (stock PEFT's mixed batch); server: `tests/test_serve_adapters.py`; real SmolLM2: `tests/test_smollm2.py` |
+| `modules_to_save` (a whole `lm_head`, norm or `embed_tokens`, tested; a classifier head alike) | served, eager passes only | `tests/test_modules_to_save.py` (each row alone under `set_adapter`, and stock's mixed batch where PEFT runs one); server: `tests/test_serve_adapters.py`; real SmolLM2 (its final norm): `tests/test_smollm2.py`. `compile=True` refused: each pass picks every row's copy on the host |
+| `trainable_token_indices` | refused | single trained token embeddings are not routed per row; train the whole module (`modules_to_save`) instead (`tests/test_modules_to_save.py`) |
+| other LoRA variants (aLoRA, ...), `lora_bias=True`, PEFT methods other than LoRA | refused | not implemented by the bank (aLoRA: `tests/test_errors.py`; `lora_bias`: `tests/test_bank.py`, `tests/test_serve_security.py`; other methods: `checks.check_model`) |
+| LoRA on convolution layers | refused | LoRA is served on Linear and Embedding layers only (`checks.check_layer`) |
+| merged adapters | refused | the base model drafts, so its weights must be unmerged: call `model.unmerge_adapter()` (`tests/test_errors.py`) |
+| adapters in another dtype than the model | served | float32 adapters on a bfloat16 model (PEFT's default) in the bank (`tests/test_dora_embedding.py`, `tests/test_compiled.py` on CUDA); other mixes by PEFT's own layers, as PEFT computes them (`tests/test_routes.py`); `compile=True` refuses those |
+| torchao weight-only: `Int8WeightOnlyConfig`, `IntxWeightOnlyConfig` (e.g. int4 in groups of 32) | served | `tests/test_quantized.py` (stock PEFT on the same quantized model, CPU); int8 and int4 SmolLM2 (`TorchAoConfig` on loading): `tests/test_smollm2.py` |
+| torchao activation quantization (`Int8DynamicActivationInt8WeightConfig`, ...), other torchao tensors (`Float8Tensor`, ...) | refused | scales computed over a pass make a row's output depend on the other rows (`tests/test_quantized.py`) |
+| bitsandbytes 4-bit (nf4, fp4) and 8-bit with `llm_int8_threshold=0.0` | served | `tests/test_quantized.py` (stock PEFT on the same quantized model) |
+| bitsandbytes 8-bit with `llm_int8_threshold` > 0 (LLM.int8(), transformers' default 6.0) | refused | outlier columns are chosen over the whole pass, so rows depend on each other (`tests/test_quantized.py`) |
+| GPTQ, AWQ, HQQ and other quantizers' LoRA layers; quantized LoRA weights | refused | layer types the bank does not compute (`checks.check_layer`; quantized LoRA weights: `tests/test_quantized.py`) |
+| continuing from a `DynamicCache` an earlier call returned (a chat's next turn) | served | `tests/test_continue_cache.py` (stock continuing the same cache; the cache extended as stock extends it); a chat's second turn on SmolLM2: `tests/test_smollm2.py` |
+| caches it cannot continue exactly: `StaticCache`, `QuantizedCache`, offloaded, another model's, sliding-window or chunked layers, length-dependent RoPE, other rows or dtype, input_ids that are not the whole sequence | refused | `tests/test_continue_cache.py` |
+
+## Architectures
 
 Every causal LM in Transformers' auto mapping (transformers {version}), as a tiny random model derived
 from its default config (`tests/arch_sweep.py`) with two PEFT LoRA adapters ("s":
