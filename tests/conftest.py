@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 # Tiny test models gain nothing from intra-op threads, and on a busy 2-core machine the
@@ -12,3 +13,13 @@ except ImportError as e:
         f"({e}). Install the project (pip install '.[zoo,test]') and run the tests against the installed "
         "package: python -P -m pytest -q"
     ) from e
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The real SmolLM2 checkpoint folder, which the zoo prepares from its offline package."""
+    zoo = pytest.importorskip("hf_invisiblelora.zoo", reason="the zoo extra is not installed")
+    try:
+        return zoo.assets.prepare("smollm2")
+    except zoo.AssetUnavailable as e:
+        pytest.skip(f"SmolLM2 cannot be had here: {e}")

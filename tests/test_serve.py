@@ -458,7 +458,7 @@ def test_text_stream_never_splits_characters_and_cuts_at_stop_strings(byte_token
 
 
 @pytest.mark.parametrize("which", ["byte_level_bpe", "smollm2"])
-def test_incremental_text_equals_decoding_the_whole_output(byte_tokenizer, which):
+def test_incremental_text_equals_decoding_the_whole_output(byte_tokenizer, which, request):
     """The text stream decodes only each chunk's tokens (with the chunk before as context); with
     random chunk sizes, what it emits joins up to decoding all the tokens at once, for code, prose
     and multi-byte text, special tokens included: on a byte-level BPE trained here and on
@@ -471,11 +471,7 @@ def test_incremental_text_equals_decoding_the_whole_output(byte_tokenizer, which
     from hf_invisiblelora.serving.text import Stops, TextStream
 
     if which == "smollm2":
-        zoo = pytest.importorskip("hf_invisiblelora.zoo", reason="the zoo extra is not installed")
-        try:
-            tok = AutoTokenizer.from_pretrained(zoo.assets.prepare("smollm2"))
-        except zoo.AssetUnavailable as e:
-            pytest.skip(f"SmolLM2 cannot be had here: {e}")
+        tok = AutoTokenizer.from_pretrained(request.getfixturevalue("smollm2_path"))
         special = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n  ok  "
     else:
         tok, special = byte_tokenizer, "plain <eos> text<eos> the end. <eos>"

@@ -42,18 +42,10 @@ NEW = 10
 
 
 @pytest.fixture(scope="module")
-def path():
-    try:
-        return zoo.assets.prepare("smollm2")
-    except zoo.AssetUnavailable as e:
-        pytest.skip(f"SmolLM2 cannot be had here: {e}")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(path):
+def tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
     tok.padding_side = "left"
     return tok
 
@@ -105,9 +97,9 @@ def new_tokens(sequences, width, pad):
 
 
 @pytest.fixture(scope="module")
-def kinds(path):
+def kinds(smollm2_path):
     torch.manual_seed(0)
-    return perturbed(with_adapters(load(path, torch.float64), ADAPTERS, strength=0.05))
+    return perturbed(with_adapters(load(smollm2_path, torch.float64), ADAPTERS, strength=0.05))
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -127,14 +119,14 @@ def test_dora_norm_embedding_and_lora_rows_in_one_batch(kinds, tokenizer, k):
     assert len(moved) >= len(ROWS) - 2, moved
 
 
-def test_next_chat_turn_continues_the_returned_cache(path, tokenizer):
+def test_next_chat_turn_continues_the_returned_cache(smollm2_path, tokenizer):
     """Two turns of a chat (its template) in a mixed batch stock PEFT can run (no DoRA, and no
     modules_to_save norm: PEFT mixes Linear, Embedding and Conv copies only): the second turn passes
     the first's cache; ours continues ours, and a copy of stock's, as stock continues stock's."""
     import copy
 
     torch.manual_seed(2)
-    kinds = perturbed(with_adapters(load(path, torch.float64), {n: ADAPTERS[n] for n in ("embed", "plain")},
+    kinds = perturbed(with_adapters(load(smollm2_path, torch.float64), {n: ADAPTERS[n] for n in ("embed", "plain")},
                                     strength=0.05))
     rows = ["embed", BASE, "plain"]
     chats = [[{"role": "user", "content": q}] for q in ("Name a colour.", "What is 2+2?", "Say hello in French.")]
@@ -163,13 +155,13 @@ def test_next_chat_turn_continues_the_returned_cache(path, tokenizer):
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
-def test_torchao_quantized_base(path, tokenizer, quantize):
+def test_torchao_quantized_base(smollm2_path, tokenizer, quantize):
     ao = pytest.importorskip("torchao.quantization", reason="the quant extra is not installed")
     from transformers import TorchAoConfig
 
     config = TorchAoConfig(zoo.QUANTIZATIONS[quantize](ao, torch))
     torch.manual_seed(1)
-    model = with_adapters(load(path, torch.float32, quantization_config=config),
+    model = with_adapters(load(smollm2_path, torch.float32, quantization_config=config),
                           {n: ADAPTERS[n] for n in ("embed", "plain")} | {"attn": dict(r=4, lora_alpha=8)},
                           strength=0.02)
     assert type(model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight).__module__.startswith("torchao")
