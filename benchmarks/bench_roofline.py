@@ -113,7 +113,7 @@ def main(argv=None):
         with state_of(model).hold():
             s = Setup(model, names[:a], batch, config.vocab_size, draft_vocab)
             for dtype in (torch.int8, torch.int4):
-                s.drafters[f"draft_{str(dtype)[6:]}"] = BaseModelDrafter(inner, state_of(model), dtype=dtype)
+                s.drafters[f"draft_{str(dtype)[6:]}"] = BaseModelDrafter(model, state_of(model), dtype=dtype)
             lora_mb = sum(adapter_bytes(model, n) for n in set(s.rows))
             kv = kv_per_token * batch * (CONTEXT + 1)
             ours = s.installed()

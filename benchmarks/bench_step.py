@@ -72,7 +72,7 @@ class Setup:
         self.next = torch.randint(3, vocab, (batch, 3), generator=g)
         state = state_of(model)
         self.lora = BankSwitch(model, mixed=True)
-        self.packed = PackedLinears(self.inner, state, prepack)  # our eager passes' linear layers (prepack.py)
+        self.packed = PackedLinears(model, state, prepack)  # our eager passes' linear layers (prepack.py)
         self.fwd = EagerForward(self.inner, self.lora, batch, CONTEXT + 8, self.prompt.device, state.mine)
         self.lora.set_rows(self.rows)
         self.start = torch.full((batch,), CONTEXT, dtype=torch.long)
@@ -89,9 +89,9 @@ class Setup:
         self.stock_cache = self._stock_prefill(adapters=True)
         self.base_cache = self._stock_prefill(adapters=False)
         self.hidden = torch.randn(batch, 1, self.inner.config.get_text_config().hidden_size)
-        self.drafter = BaseModelDrafter(self.inner, state)  # the base model as it is: the default drafter
-        self.drafters = {"draft_vocab": BaseModelDrafter(self.inner, state, torch.tensor(draft_vocab)),
-                         "draft_bf16": BaseModelDrafter(self.inner, state, dtype=torch.bfloat16)}
+        self.drafter = BaseModelDrafter(model, state)  # the base model as it is: the default drafter
+        self.drafters = {"draft_vocab": BaseModelDrafter(model, state, torch.tensor(draft_vocab)),
+                         "draft_bf16": BaseModelDrafter(model, state, dtype=torch.bfloat16)}
 
     def _stock_prefill(self, adapters: bool):
         cache = DynamicCache(config=self.inner.config)

@@ -16,6 +16,7 @@ import torch
 
 from .bank import get_bank
 from .context import selected
+from .derived import SourceCheck
 from .lora import BASE, lora_layers
 from .quantized import output_dtype
 from .saved_modules import SavedModules
@@ -34,7 +35,7 @@ class PeftSwitch:
     loop for a mixed batch; its active adapter otherwise), a draft pass the base layer alone.
     ``adapters(rows)`` is what a pass context carries: the rows' names (mixed), else None."""
 
-    def __init__(self, model, mixed: bool):
+    def __init__(self, model, mixed: bool, check=None):  # check: unused, PEFT's layers read their weights
         self.layers = lora_layers(model)
         self.mixed, self.names, self.context = mixed, [], None
         self.saved = SavedModules(model, mixed)
@@ -73,8 +74,9 @@ class BankSwitch:
     """LoRA through the adapter bank: one batched shrink/expand per layer for all adapters.
     ``adapters(rows)`` is what a pass context carries: the rows' bank slots."""
 
-    def __init__(self, model, mixed: bool):
-        self.bank = get_bank(model, adapters=())  # the structure now; weights as rows name adapters
+    def __init__(self, model, mixed: bool, check: SourceCheck | None = None):
+        self.check = check or SourceCheck()  # the call's (derived.py)
+        self.bank = get_bank(model, adapters=(), check=self.check)  # the structure now; weights as rows name adapters
         self.mixed = mixed
         self.row_slots, self._views = None, {}
         self._synced = set()
@@ -90,7 +92,7 @@ class BankSwitch:
         """Each row's adapter (None or "__base__": none)."""
         new = {a for a in adapter_names if a and a != BASE} - self._synced
         if new:  # compare these adapters' weights with the bank's copy once per switch (one per call)
-            self.bank.sync(new)
+            self.bank.sync(new, self.check)
             self._synced |= new
         names = [a or BASE for a in adapter_names]
         self.row_slots = self.bank.slots(names)

@@ -159,7 +159,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         vocab_size = inner.config.get_text_config(decoder=True).vocab_size
         vocab = draft_vocab if draft_vocab is None or not isinstance(draft_vocab, int) else \
             drafter_vocabulary(state, draft_vocab, input_ids, vocab_size)
-        drafters = [BaseModelDrafter(inner, state, None if vocab is None else torch.as_tensor(vocab), d,
+        drafters = [BaseModelDrafter(model, state, None if vocab is None else torch.as_tensor(vocab), d,
                                      size=draft_vocab if isinstance(draft_vocab, int) else None) for d in draft_dtypes]
         length = None
         if warm_only and state.buckets:  # a bucket warm_up (or compile=True) built, whose passes this call can take

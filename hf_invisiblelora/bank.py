@@ -14,8 +14,8 @@ output's dtype first for a mixed batch (``adapter_names=``), in the adapters' dt
 DoRA adapters (PEFT's DoraLinearLayer, eval mode) scale each output column by magnitude /
 ||W + scaling * B @ A||, fixed while the weights are: each layer with DoRA slots keeps that scale per
 slot (ones for plain LoRA and for no LoRA), computed by PEFT's own methods when a slot is written
-(the magnitude vector is followed with the adapter's weights; the base weights are taken as fixed,
-as PEFT's LoRA leaves them), and turns a token's base output and delta into
+(again when the adapter's weights, scaling or magnitude or the base weight W change), and turns a
+token's base output and delta into
 out + (scale - 1) * (out - bias) + scale * delta by the token's slot, rounded once as PEFT's DoRA
 forward rounds it. Embedding LoRA (PEFT's Embedding) is not stacked: its one layer per model adds
 PEFT's own term per adapter to the adapter's tokens, from PEFT's weights at each pass.
@@ -32,6 +32,7 @@ from peft.utils.integrations import dequantize_module_weight
 from torch import nn
 
 from . import kernels
+from .derived import SourceCheck
 from .lora import layer_adapters, named_lora_layers
 from .quantized import rounds_delta
 from .state import forwards, state_of
@@ -128,10 +129,10 @@ class _Stacks:
     ``transposed``: store them as [S, in, R] and [S, R, out], the layout the torch path's matmuls
     read fastest (x @ A[s].T); the Triton kernels take either through strides.
     DoRA slots (``dora``): ``scale`` [S + 1, out] their column scales (ones elsewhere; the last row
-    for slot -1, no LoRA), ``is_dora`` [S + 1] which slots they are, ``magnitudes`` what the scales
-    were computed from."""
+    for slot -1, no LoRA), ``is_dora`` [S + 1] which slots they are. ``sources``: per slot, the
+    digests of what it was written from (derived.py)."""
 
-    def __init__(self, m, names, dtype, transposed: bool):
+    def __init__(self, m, names, dtype, transposed: bool, check: SourceCheck):
         self.module, self.names = m, names
         ranks = {a: m.lora_A[a].weight.shape[0] for a in m.lora_A}
         r_max = -(-max(ranks.values()) // 4) * 4
@@ -147,10 +148,10 @@ class _Stacks:
         if self.dora:
             self.scale = torch.ones(len(names) + 1, m.out_features, **like)
             self.is_dora = torch.tensor([s in self.dora for s in range(len(names) + 1)], device=like["device"])
-            self.magnitudes = {}
+        self.sources = {}
         for slot, a in enumerate(names):
             if a in ranks:
-                self.write(slot, a)
+                self.write(slot, a, check)
 
     def _pack(self, slots) -> "_Packed":
         # One copy each, straight into the layout the matmuls read (a serving engine repacks whenever
@@ -166,33 +167,33 @@ class _Stacks:
         # Scale in the adapter's own dtype before any cast, as PEFT does.
         return m.lora_A[a].weight.to(self.A.dtype), (m.lora_B[a].weight * m.scaling[a]).to(self.B.dtype)
 
+    def _sources(self, slot: int, a: str) -> tuple:
+        """What slot ``slot`` (adapter ``a``) is computed from: its weights and scaling; a DoRA slot's
+        scale also from its magnitude and the base weight."""
+        m = self.module
+        sources = (m.lora_A[a].weight, m.lora_B[a].weight, m.scaling[a])
+        if slot in self.dora:
+            sources += (m.lora_magnitude_vector[a].weight, m.get_base_layer().weight)
+        return sources
+
     @torch.no_grad()
-    def write(self, slot: int, a: str) -> None:
+    def write(self, slot: int, a: str, check: SourceCheck) -> None:
         A, B = self._values(a)
         r = A.shape[0]
         self.A[slot, :r], self.B[slot, :, :r] = A, B
         if slot in self.dora:  # in place: compiled passes keep reading the same tensor
-            self.magnitudes[slot] = self.module.lora_magnitude_vector[a].weight.detach().clone()
             self.scale[slot] = _dora_scale(self.module, a)
+        self.sources[slot] = check(self._sources(slot, a))
         self.packs.clear()
         if self.group is not None:
             self.group.packs.clear()
 
-    @torch.no_grad()
-    def changed(self, adapters=None) -> list:
-        """(slot, adapter) whose weights, scaling or DoRA magnitude differ from the stacks (exact
-        comparison: it also sees edits through ``.data``, which no version counter records); only
-        ``adapters`` if given."""
-        out = []
-        for slot, a in enumerate(self.names):
-            if a in self.module.lora_A and (adapters is None or a in adapters):
-                A, B = self._values(a)
-                r = A.shape[0]
-                if not (torch.equal(self.A[slot, :r], A) and torch.equal(self.B[slot, :, :r], B)) or \
-                        slot in self.dora and not torch.equal(self.magnitudes[slot],
-                                                              self.module.lora_magnitude_vector[a].weight):
-                    out.append((slot, a))
-        return out
+    def changed(self, check: SourceCheck, adapters=None) -> list:
+        """(slot, adapter) whose sources changed since the slot was written, by any route (derived.py);
+        only ``adapters`` if given."""
+        return [(slot, a) for slot, a in enumerate(self.names)
+                if a in self.module.lora_A and (adapters is None or a in adapters)
+                and check(self._sources(slot, a)) != self.sources[slot]]
 
 
 class _Group:
@@ -242,7 +243,7 @@ class AdapterBank:
     grew by 100-300 MB per adapter load or unload.)
     """
 
-    def __init__(self, model):
+    def __init__(self, model, check: SourceCheck | None = None):
         self.model = model
         self._signature = None
         self.version = 0  # bumped when the stacks are reallocated (a graph holding them must be redone)
@@ -251,7 +252,7 @@ class AdapterBank:
         self.round_delta = True  # PEFT's mixed-batch numerics (see the module docstring)
         self._last_meta = None  # last LoRA metadata: its weight cache outlives draft passes
         self._memo_rows, self._memo = None, {}  # metadata per tokens_per_row for the current row_slots
-        self.sync()
+        self.sync(check=check)
 
     def _structure(self):
         # What the stacks' shapes, dtypes and devices depend on.
@@ -266,24 +267,25 @@ class AdapterBank:
                                                           for a, d in m.lora_magnitude_vector.items())))
         return tuple(sig)
 
-    def sync(self, adapters=None) -> None:
+    def sync(self, adapters=None, check: SourceCheck | None = None) -> None:
         """Follow the model's adapters: rebuild the stacks if adapters were added, deleted or moved
-        (device, dtype); rewrite the slots of adapters whose weights, scaling or DoRA magnitude changed
-        (by any route: in-place ops, ``.data`` edits, load_state_dict, optimizer steps, set_scale).
-        ``adapters``: compare only these adapters' weights (those a call uses; the others are compared
-        when a call uses them)."""
+        (device, dtype); rewrite the slots whose sources changed (weights, scaling, a DoRA slot's
+        magnitude and base weight; by any route: derived.py). ``adapters``: compare only these
+        adapters' slots (those a call uses; the others are compared when a call uses them);
+        ``check``: the call's source check."""
+        check = check or SourceCheck()
         signature = self._structure()
         if signature != self._signature:
-            self._build()
+            self._build(check)
             self._signature = signature
             return
-        changed = [(layer, slot, a) for layer in self.layers.values() for slot, a in layer.changed(adapters)]
+        changed = [(layer, slot, a) for layer in self.layers.values() for slot, a in layer.changed(check, adapters)]
         for layer, slot, a in changed:
-            layer.write(slot, a)
+            layer.write(slot, a, check)
         if changed:
             self._drop_prepared()
 
-    def _build(self) -> None:
+    def _build(self, check: SourceCheck) -> None:
         self.modules = named_lora_layers(self.model)
         if not self.modules:
             raise ValueError("no PEFT LoRA layers found in the model")
@@ -298,7 +300,7 @@ class AdapterBank:
         self.dtype = dtype
         self.ops = kernels.get_backend(self.device, dtype)
         transposed = self.ops is kernels.torch_lora
-        self.layers = {m: _Stacks(m, names, dtype, transposed) for _, m in self.modules if len(m.lora_A)}
+        self.layers = {m: _Stacks(m, names, dtype, transposed, check) for _, m in self.modules if len(m.lora_A)}
         self.groups = self._make_groups(transposed)
         # One wrapper per layer for the bank's lifetime: compiled graphs guard on the forward they traced.
         self._forwards = {
@@ -535,12 +537,12 @@ class AdapterBank:
             self.begin_pass()  # drop the references to the last inputs
 
 
-def get_bank(model, adapters=None) -> AdapterBank:
+def get_bank(model, adapters=None, check: SourceCheck | None = None) -> AdapterBank:
     """The model's adapter bank, built on first use and kept in the model's state; synced every call
     (``adapters``: the weights of these adapters only; see AdapterBank.sync)."""
     state = state_of(model)
     if state.bank is None:
-        state.bank = AdapterBank(model)
+        state.bank = AdapterBank(model, check)
     else:
-        state.bank.sync(adapters)
+        state.bank.sync(adapters, check)
     return state.bank

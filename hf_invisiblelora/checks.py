@@ -102,7 +102,8 @@ def check_model(model) -> None:
         if variants:
             raise ValueError(f"Of the LoRA variants, invisible_lora serves DoRA on Linear layers "
                              f"(peft.tuners.lora.layer.Linear); found {variants} on {type(m).__name__} (aLoRA and "
-                             "other variants, DoRA on embedding, convolution or quantized layers). Serve them with "
+                             "other variants, DoRA on embedding or convolution layers or on PEFT's quantized LoRA "
+                             "layers, whose base was quantized before the adapter was added). Serve them with "
                              "plain generate().")
         if any(m.lora_bias.values()):
             raise ValueError("LoRA adapters with lora_bias=True are not supported. Serve them with plain generate().")

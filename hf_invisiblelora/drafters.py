@@ -5,7 +5,8 @@ keeps the output exact and only changes how many drafts are accepted (the gate m
 costs and acceptance are kept per drafter ``key``). The protocol (``Drafter``):
 
     drafter.key                                  the gate's key for its costs and acceptance
-    with drafter.installed(context): ...         whatever it routes in the model, for one call
+    with drafter.installed(context, check): ...  whatever it routes in the model, for one call
+                                                 (``check``: the call's source check, derived.py)
     drafts, probs = drafter.propose(fwd, batch, hi, k, policy)
                                                  up to k tokens for rows 0..hi-1 (written into
                                                  batch.tokens) and the policy's draft
@@ -20,8 +21,10 @@ The base model's options, for its passes only:
 
 - ``vocab``: the drafter's output head restricted to a subset of the vocabulary (the tokens seen
   most often in the model's prompts and outputs so far, plus those of the current prompts; or a
-  given list). Its logits for other tokens are the dtype's minimum, so it never proposes them;
-  with sampling the draft distribution lives on the subset and speculative sampling stays exact.
+  given list). Its logits for other tokens are the dtype's minimum, and after the processors
+  they are -inf, so it never proposes them: with sampling the draft distribution lives on the
+  subset and speculative sampling stays exact. Where the processors leave the subset no mass
+  (bad words covering it, an n-gram ban), the row proposes nothing (acceptance.sample).
   On a model whose head is a large part of its weights (Gemma 3: a 262k vocabulary) a draft pass
   then reads far fewer bytes.
 Given several dtypes (``draft_dtype=(None, torch.int4)``), one drafter per dtype is installed and
@@ -47,8 +50,9 @@ import torch
 from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
+from .derived import DerivedCopies, SourceCheck
+from .lora import adapter_copies, linears
 from .quantized import dense_weight, plain
-from .saved_modules import adapter_copies
 from .state import forwards
 
 COUNTS = "token_counts"  # the model state's key: how often each token id was seen
@@ -153,7 +157,7 @@ def check_vocabulary(ids, inner) -> torch.Tensor:
 class Drafter(Protocol):
     key: str
 
-    def installed(self, context): ...
+    def installed(self, context, check=None): ...
 
     def propose(self, fwd, batch, hi: int, k: int, policy) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
@@ -167,10 +171,11 @@ class BaseModelDrafter:
     is). ``key`` names the options for the gate: ``size`` is the vocabulary size asked for (the
     vocabulary itself also holds the prompts' tokens, so its length changes from call to call)."""
 
-    def __init__(self, inner, state, vocab: torch.Tensor | None = None, dtype=None, size: int | None = None):
-        self.inner, self.state = inner, state
+    def __init__(self, model, state, vocab: torch.Tensor | None = None, dtype=None, size: int | None = None):
+        inner = model.get_base_model()
+        self.model, self.state = model, state
         self.vocab, self.dtype = vocab, dtype
-        self.context = None
+        self.context, self._mask = None, None
         self.head = _base(inner.get_output_embeddings())
         size = size if size is not None else None if vocab is None else len(vocab)
         self.key = "".join([f"/vocab{size}" if vocab is not None else "", f"/{dtype}" if dtype else ""])
@@ -181,7 +186,10 @@ class BaseModelDrafter:
         drafts, probs, rows = [], [], slice(0, hi)
         for j in range(k):
             logits = fwd(x, last + j, batch.kv_end(hi, 1) + j, keep=1, drafter=self, rows=rows)
-            d, q = policy.pick(policy.scores(batch, rows, logits, offset=j)[:, 0], batch, rows, offset=j)
+            scores = policy.scores(batch, rows, logits, offset=j)[:, 0]
+            if self.vocab is not None:  # its support: what processors made of the other tokens' floor is not drawn
+                scores = scores.masked_fill(self._outside(scores), -torch.inf)
+            d, q = policy.pick(scores, batch, rows, offset=j)
             if q is not None:
                 probs.append(q)
             batch.tokens[:hi].scatter_(1, (last + 1 + j)[:, None], d[:, None])  # the next step and the processors read it
@@ -191,18 +199,25 @@ class BaseModelDrafter:
             return batch.tokens.new_zeros(hi, 0), None
         return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
 
+    def _outside(self, scores) -> torch.Tensor:
+        """[V] True for the tokens outside the draft vocabulary."""
+        if self._mask is None or self._mask.shape[0] != scores.shape[-1] or self._mask.device != scores.device:
+            self._mask = torch.ones(scores.shape[-1], dtype=torch.bool, device=scores.device)
+            self._mask[self.vocab.to(scores.device)] = False
+        return self._mask
+
     def learn(self, batch, hi: int, accepted: list[int]) -> None:
         """Nothing to learn within a call: its proposals are the base model's. (The draft vocabulary
         follows the tokens of whole calls: ``observe``.)"""
 
     @contextlib.contextmanager
-    def installed(self, context):
-        self.context = context
+    def installed(self, context, check: SourceCheck | None = None):
+        self.context, self.check = context, check or SourceCheck()
         routed = {}
         if self.dtype is not None:  # every linear layer, the head too (the restricted head below takes the dtype)
-            copies = adapter_copies(self.inner)  # adapters' modules_to_save: draft passes run the originals
-            for m in self.inner.modules():
-                if type(m) is nn.Linear and plain(m.weight) and m not in copies:  # quantized layers draft as they are
+            copies = adapter_copies(self.model)  # adapters' modules_to_save: draft passes run the originals
+            for m in linears(self.model):
+                if plain(m.weight) and m not in copies:  # quantized layers draft as they are
                     routed[m] = self._routed(m, self._low_precision(m))
         if self.vocab is not None:
             routed[self.head] = self._routed(self.head, self._restricted(self.head))
@@ -220,28 +235,25 @@ class BaseModelDrafter:
             return original(x, *args, **kwargs)
         return forward
 
-    def _weights(self, m, kind: str, key, make):
-        """A derived copy of m's weights, made when the drafter is installed and kept in the model
-        state while they are unchanged: one per module, kind ("dtype", "vocab") and draft dtype, so
-        drafters of different kinds, or several installed together, do not evict each other."""
-        cache = self.state.drafter.setdefault("weights", {})
-        w = m.weight
-        tag = (key, id(w), w._version, w.data_ptr())
-        slot = (id(m), kind, self.dtype)
-        hit = cache.get(slot)
-        if hit is None or hit[0] != tag:
-            hit = cache[slot] = (tag, make())
-        return hit[1]
+    def _weights(self, m, kind, sources: tuple, make):
+        """A derived copy of m's weights (derived.py), kept in the model state while its sources are
+        unchanged: one per module, kind and draft dtype, so drafters of different kinds, or several
+        installed together, do not evict each other."""
+        copies = self.state.drafter.get("weights")
+        if copies is None:
+            copies = self.state.drafter["weights"] = DerivedCopies()
+        return copies.get(m, (kind, self.dtype), sources, make, self.check)
 
     def _low_precision(self, m):
-        return self._weights(m, "dtype", self.dtype, lambda: low_precision_linear(m.weight, m.bias, self.dtype))
+        return self._weights(m, "dtype", (m.weight, m.bias), lambda: low_precision_linear(m.weight, m.bias, self.dtype))
 
     def _restricted(self, head):
         vocab = self.vocab.to(head.weight.device)
         dtype = torch.bfloat16 if self.dtype in (torch.int8, torch.int4) else self.dtype or head.weight.dtype
-        key = (dtype, vocab.cpu().numpy().tobytes())  # the ids themselves: another vocabulary is another head
-        w, b = self._weights(head, "vocab", key, lambda: (dense_weight(head)[vocab].to(dtype),
-                                                 None if head.bias is None else head.bias[vocab].to(dtype)))
+        # The ids themselves are a source: another vocabulary is another head.
+        w, b = self._weights(head, "vocab", (head.weight, head.bias, vocab, str(dtype)),
+                             lambda: (dense_weight(head)[vocab].to(dtype),
+                                      None if head.bias is None else head.bias[vocab].to(dtype)))
 
         def forward(x):
             out = x.new_full((*x.shape[:-1], head.weight.shape[0]), torch.finfo(x.dtype).min)

@@ -320,7 +320,7 @@ class Engine:
     def _session(self) -> Session:
         """The decoder's assembly (session.py): every row its own request (RequestPolicy) and adapter."""
         vocab, size = self.draft_vocab if isinstance(self.draft_vocab, tuple) else (self.draft_vocab, None)
-        drafters = [BaseModelDrafter(self.inner, self.state, vocab, d, size=size) for d in self.draft_dtypes]
+        drafters = [BaseModelDrafter(self.model, self.state, vocab, d, size=size) for d in self.draft_dtypes]
         return Session(self.model, self.state, self._policy, capacity=self.max_batch, width=self.max_len, mixed=True,
                        lora_backend=lora_backend(self.model, self.model.peft_config), gate=self.gate_mode,
                        num_draft_tokens=self.num_draft_tokens, drafters=drafters, prepack=self.prepack,

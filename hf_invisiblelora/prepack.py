@@ -1,11 +1,11 @@
 """The model's float32 linear layers with prepacked weights in our passes (the CPU).
 
-    packed = PackedLinears(inner, state, "auto")      # once per session: the copies checked or made
+    packed = PackedLinears(peft_model, state, "auto", check)  # once per call: the copies checked or made
     with packed.installed(context): ...                # our passes run them (the pass context, context.py)
 
 Every plain ``nn.Linear`` with a plain float32 weight on the CPU (the base layers under PEFT's
-LoRA wrappers, the layers no adapter targets, the output head; quantized layers compute as they
-are: quantized.py) gets a copy of its weight in oneDNN's layout (kernels/packed_linear.py: a
+LoRA wrappers, the layers no adapter targets, the output head; not the adapters' own lora_A /
+lora_B, which the bank reads from its stacks; quantized layers compute as they are: quantized.py) gets a copy of its weight in oneDNN's layout (kernels/packed_linear.py: a
 decode step's matmuls up to 2x faster), kept in the model state while the weight is unchanged;
 every pass of ours (prefill, LoRA-on, draft, verify) runs them, anything else (another thread, a
 user's processor calling the model) gets the layers as they are. A drafter's low-precision layers
@@ -16,10 +16,8 @@ half the memory available, ``True`` always, ``False`` never. The output is the m
 float32 rounding (another kernel: another order of summation, as a batch of another size is for
 MKL), so greedy tokens can differ from stock's only at near ties of its logits.
 
-A copy must not outlive a change of its weight. Each session compares every layer's weight with
-what its copy was made from: the same tensor, storage and version counter (in-place ops,
-``load_state_dict``, optimizer steps) and the same row sums of its bits (edits through ``.data``,
-which bump no version counter; PEFT merging adapters, which edits that way, is refused before).
+A copy is used only while its weight is provably the one it was made from (derived.py: every
+route of change is seen).
 """
 
 from __future__ import annotations
@@ -27,13 +25,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import weakref
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from .derived import DerivedCopies, SourceCheck
 from .kernels import packed_linear
+from .lora import linears
 from .quantized import plain
 from .state import forwards
 
@@ -42,22 +40,6 @@ logger = logging.getLogger("hf_invisiblelora")
 def check_mode(mode) -> None:
     if not (mode is True or mode is False or isinstance(mode, str) and mode == "auto"):
         raise ValueError(f"prepack must be 'auto', True or False, got {mode!r}.")
-
-
-class _Copy(NamedTuple):
-    module: weakref.ref
-    tag: tuple  # the weight tensor, its storage and version counter when packed
-    sums: torch.Tensor  # [out] int32: each row's bits summed (wrapping): sees edits no version counter records
-    packed: torch.Tensor
-
-
-def _tag(w: torch.Tensor) -> tuple:
-    return id(w), w.data_ptr(), w._version, tuple(w.shape), w.stride()
-
-
-def _row_sums(w: torch.Tensor) -> torch.Tensor:
-    # One read of the weight (a plain sum's cost). Any edit of one element changes its row's sum.
-    return w.detach().view(torch.int32).sum(1, dtype=torch.int32)
 
 
 def _eligible(m) -> bool:
@@ -84,42 +66,35 @@ def _available_bytes() -> int | None:
 
 
 class PackedLinears:
-    """See the module docstring. ``state``: the model state whose ``packed`` keeps the copies."""
+    """See the module docstring. ``model``: the PEFT model; ``state``: its state, whose ``packed``
+    keeps the copies; ``check``: the call's source check (derived.py)."""
 
-    def __init__(self, model, state, mode="auto"):
+    KIND = "packed"
+
+    def __init__(self, model, state, mode="auto", check: SourceCheck | None = None):
         check_mode(mode)
-        self.mode, self.copies = mode, []
-        modules = [m for m in model.modules() if _eligible(m)] if mode is not False else []
-        if not modules:
-            state.packed = {}
-            return
+        self.mode, self.copies = mode, {}
+        modules = [m for m in linears(model) if _eligible(m)] if mode is not False else []
         kept = state.packed
-        new = sum(m.weight.numel() * 4 for m in modules if id(m) not in kept)
+        kept.keep_only(modules)  # copies of layers no longer in the model are dropped
+        if not modules:
+            return
+        new = sum(m.weight.numel() * 4 for m in modules if kept.kept(m, self.KIND) is None)
         room = _available_bytes()
         if mode == "auto" and new and room is not None and 2 * new > room:
             logger.info("hf_invisiblelora: linear layers not prepacked (%d MB of copies; %d MB of memory available).",
                         new >> 20, room >> 20)
-            state.packed = {}
+            state.packed = DerivedCopies()
             return
-        fresh = {}
+        check = check or SourceCheck()
         with torch.no_grad():
-            for m in modules:
-                w, copy = m.weight, kept.get(id(m))
-                sums = _row_sums(w)
-                if copy is None or copy.module() is not m or copy.tag != _tag(w) or not torch.equal(copy.sums, sums):
-                    copy = _Copy(weakref.ref(m), _tag(w), sums, packed_linear.pack(w))
-                fresh[id(m)] = copy
-        state.packed = fresh  # copies of layers no longer in the model are dropped
-        self.copies = list(fresh.values())
+            self.copies = {m: kept.get(m, self.KIND, (m.weight,), lambda m=m: packed_linear.pack(m.weight), check)
+                           for m in modules}
 
     @contextlib.contextmanager
     def installed(self, context):
         """Route the layers' forwards to their copies in ``context``'s passes; restore on exit."""
-        routed = {}
-        for copy in self.copies:
-            m = copy.module()
-            if m is not None:  # a layer the model dropped since (a serving engine's adapter changes)
-                routed[m] = self._routed(m, m.forward, copy.packed, context)
+        routed = {m: self._routed(m, m.forward, packed, context) for m, packed in self.copies.items()}
         with forwards(routed):
             yield self
 

@@ -35,12 +35,6 @@ def saves_modules(model) -> bool:
     return any(isinstance(m, ModulesToSaveWrapper) for m in model.modules())
 
 
-def adapter_copies(model) -> set:
-    """Every module inside the adapters' copies (the base model never runs them)."""
-    return {c for m in model.modules() if isinstance(m, ModulesToSaveWrapper)
-            for copy in m.modules_to_save.values() for c in copy.modules()}
-
-
 class SavedModules:
     """See the module docstring. ``mixed``: rows name their adapters (else the model's active one)."""
 

@@ -20,6 +20,7 @@ import logging
 
 from .adapters import SWITCHES, bank_inexact
 from .decoding import Decoder
+from .derived import SourceCheck
 from .drafters import BaseModelDrafter
 from .forward import CompiledForward, EagerForward
 from .gate import Gate
@@ -53,8 +54,9 @@ class Session:
                  prepack="auto", **decoder_options):
         inner = model.get_base_model()
         self.inner, self.state, self.mixed = inner, state, mixed
-        lora = SWITCHES[lora_backend](model, mixed)
-        self.drafters = drafters or [BaseModelDrafter(inner, state)]
+        self.check = SourceCheck()  # every derived copy checked against its sources once (derived.py)
+        lora = SWITCHES[lora_backend](model, mixed, self.check)
+        self.drafters = drafters or [BaseModelDrafter(model, state)]
         if compile_backend is None:
             self.fwd = EagerForward(inner, lora, capacity, width, inner.device, state.mine)
         else:
@@ -64,7 +66,7 @@ class Session:
                          drafters=tuple(d.key for d in self.drafters))
         self.rotary = StepRotary(inner, self.fwd.layout)
         # Compiled passes trace the layers as they are: Inductor lays out weights its own way.
-        self.packed = PackedLinears(inner, state, prepack) if compile_backend is None else None
+        self.packed = PackedLinears(model, state, prepack, self.check) if compile_backend is None else None
         self.decoder = Decoder(self.fwd, lora, policy, self.gate, self.drafters, capacity=capacity,
                                **decoder_options)
 
@@ -77,12 +79,13 @@ class Session:
             if self.packed is not None:  # before the drafters: their layers replace these in their passes
                 stack.enter_context(self.packed.installed(context))
             for drafter in self.drafters:
-                stack.enter_context(drafter.installed(context))
+                stack.enter_context(drafter.installed(context, self.check))
             yield self.decoder
 
     def renew_lora(self, model, lora_backend: str) -> None:
         """A new LoRA switch after the model's adapters changed (a new bank: its slots may move);
         the rows in flight go on. Call outside ``installed()``."""
-        self.decoder.set_lora(SWITCHES[lora_backend](model, self.mixed))
+        self.check = SourceCheck()  # the model may have changed: its sources are read again
+        self.decoder.set_lora(SWITCHES[lora_backend](model, self.mixed, self.check))
         if self.packed is not None:  # the layers may have changed too: PEFT wraps the ones a new adapter targets
-            self.packed = PackedLinears(self.inner, self.state, self.packed.mode)
+            self.packed = PackedLinears(model, self.state, self.packed.mode, self.check)

@@ -16,6 +16,7 @@ import contextlib
 import threading
 from dataclasses import dataclass, field
 
+from .derived import DerivedCopies
 from .gate import GateMemory
 
 _ATTR = "_invisiblelora_state"
@@ -31,14 +32,14 @@ class ModelState:
     buckets: dict = field(default_factory=dict)  # forward.Bucket per (device, dtype, rows, cache length)
     stats: object = None  # stats.DecodingStats of the last call
     drafter: dict = field(default_factory=dict)  # drafters.py: token counts, derived weight copies
-    layers: tuple | None = None  # (peft_config items, [(name, LoRA layer)], [every module]): lora._walk
-    packed: dict = field(default_factory=dict)  # prepack.py: prepacked weight copies per linear layer
+    layers: tuple | None = None  # lora.Walk: the model's LoRA layers, modules and linear layers
+    packed: DerivedCopies = field(default_factory=DerivedCopies)  # prepack.py: prepacked weight copies
 
     def clear(self) -> None:
         """Forget the bank, the gate's measurements, the compiled passes, the last stats, the drafter's data
         and the prepacked weights."""
         self.bank, self.gate, self.buckets, self.stats, self.drafter, self.layers = None, GateMemory(), {}, None, {}, None
-        self.packed = {}
+        self.packed = DerivedCopies()
 
     def mine(self) -> bool:
         return self.owner == threading.get_ident()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import hf_invisiblelora  # noqa: F401
+from hf_invisiblelora import lora
 from hf_invisiblelora.state import state_of
 from tiny import chi_square_p, prompts, tiny_peft
 
@@ -62,8 +63,8 @@ def test_drafters_installed_together_keep_their_weights(monkeypatch):
     for _ in range(2):
         greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2, draft_vocab=24,
                draft_dtype=(torch.int8, torch.int4))
-    linears = sum(type(m) is torch.nn.Linear for m in model.get_base_model().modules())
-    assert made.count(torch.int8) == made.count(torch.int4) == linears
+    linears = len(lora.linears(model))  # the base layers and the head, not the adapters' lora_A / lora_B
+    assert made.count(torch.int8) == made.count(torch.int4) == linears == 15
 
 
 def test_restricted_drafts_stay_in_the_vocabulary():

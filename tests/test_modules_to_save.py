@@ -250,7 +250,7 @@ def test_drafter_options(model, options):
     rows, ids, mask = draw(10)
     out = invisible(model, ids, mask, rows, max_new_tokens=10, num_draft_tokens=2, gate="always", **options)
     assert_as_alone(out.sequences, ids.shape[1], alone(model, ids, mask, rows, 10))
-    made = {key[0] for key in state_of(model).drafter["weights"]}
+    made = {id(m) for m in state_of(model).drafter["weights"].modules()}
     copies = {id(c) for w in wrappers(model) for copy in w.modules_to_save.values() for c in copy.modules()}
     assert made and not made & copies
     assert id(model.base_model.model.lm_head.original_module) in made
@@ -263,7 +263,7 @@ def test_prepacked_float32():
     rows, ids, mask = draw(11)
     kw = dict(max_new_tokens=10, num_draft_tokens=2, gate="always")
     packed = invisible(model, ids, mask, rows, prepack=True, **kw)
-    assert id(model.base_model.model.lm_head.modules_to_save["head"]) in state_of(model).packed
+    assert state_of(model).packed.kept(model.base_model.model.lm_head.modules_to_save["head"], "packed") is not None
     assert torch.equal(packed.sequences, invisible(model, ids, mask, rows, prepack=False, **kw).sequences)
 
 

@@ -53,7 +53,15 @@ def counted(monkeypatch):
 
 
 def linears(model):
-    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+    """The base model's linear layers (not the adapters' lora_A / lora_B)."""
+    names = {m: n for n, m in model.named_modules()}
+    return [m for m in model.modules() if type(m) is torch.nn.Linear and ".lora_" not in names[m]]
+
+
+def packed_of(model):
+    """{layer: its prepacked copy} of the model's state."""
+    kept = state_of(model).packed
+    return {m: kept.kept(m, "packed") for m in model.modules() if kept.kept(m, "packed") is not None}
 
 
 @pytest.mark.parametrize("gate", ["never", "always"])
@@ -66,7 +74,7 @@ def test_greedy_tokens_as_stock(monkeypatch, gate, seed):
     stock = greedy(model, ids, mask, output_logits=True, return_dict_in_generate=True)
     calls = counted(monkeypatch)
     ours = greedy(model, ids, mask, invisible_lora=True, gate=gate, num_draft_tokens=3, prepack=True)
-    assert len(state_of(model).packed) == len(linears(model))
+    assert set(packed_of(model)) == set(linears(model))
     assert len(calls) >= len(linears(model))
     assert all_near_ties(divergences(model, ROWS, stock, ours, mask, ids.shape[1]))
     assert not any("forward" in vars(m) for m in model.modules())  # nothing left installed
@@ -149,14 +157,14 @@ def test_a_changed_weight_is_packed_again(edit, layer):
     ids, mask = prompts(LENGTHS)
     greedy(model, ids, mask, invisible_lora=True, prepack=True)
     m = {"head": inner.lm_head, "base": inner.model.layers[0].self_attn.q_proj.base_layer}[layer]
-    before = dict(state_of(model).packed)
+    before = packed_of(model)
     w = m.weight
     edit(w, model) if edit in (_edit_load_state_dict, _edit_replace) else edit(w)
     stock = greedy(model, ids, mask, output_logits=True, return_dict_in_generate=True)
     ours = greedy(model, ids, mask, invisible_lora=True, prepack=True)
-    after = state_of(model).packed
-    assert after[id(m)].packed is not before[id(m)].packed
-    assert sum(after[k].packed is before[k].packed for k in after) == len(after) - 1  # the others kept
+    after = packed_of(model)
+    assert after[m] is not before[m]
+    assert sum(after[k] is before[k] for k in after) == len(after) - 1  # the others kept
     assert all_near_ties(divergences(model, ROWS, stock, ours, mask, ids.shape[1]))
 
 
@@ -197,7 +205,7 @@ def test_engine_keeps_them_through_adapter_changes(monkeypatch, tmp_path):
         engine.load_adapter("new", str(path))
         check(engine, "new")
         assert len(calls) > before
-        assert {id(m) for m in linears(model)} == set(state_of(model).packed)
+        assert set(linears(model)) == set(packed_of(model))
         engine.unload_adapter("new")
         check(engine, "s")
         assert engine.error is None

@@ -90,8 +90,8 @@ def test_torchao_options(head, options):
     assert_stock_tokens(model, ids, mask, ROWS, **options)
     if options.get("prepack"):
         packed = state_of(model).packed
-        assert not any(id(m.get_base_layer()) in packed for m in lora_layers(model))
-        assert (id(model.get_base_model().lm_head) in packed) is not head
+        assert not any(packed.kept(m.get_base_layer(), "packed") is not None for m in lora_layers(model))
+        assert (packed.kept(model.get_base_model().lm_head, "packed") is not None) is not head
 
 
 def test_torchao_quantized_after_the_adapters():

@@ -175,3 +175,30 @@ def test_torchao_quantized_base(smollm2_path, tokenizer, quantize):
     diverged = divergences(model, rows, stock, ours.sequences, enc.attention_mask, enc.input_ids.shape[1])
     assert all_near_ties(diverged), f"divergences (step, gap, stock's noise) not at near ties: {diverged}"
     assert len(diverged) < len(rows) and sum(ours.stats.accepted) > 0
+
+
+@pytest.mark.parametrize("edit", ["down_columns", "neurons"])
+def test_prepacked_weights_follow_a_permutation(smollm2_path, tokenizer, edit):
+    """After a warm call, one layer's down_proj columns permuted through ``.data`` (every row keeps
+    its values and their sum; no version counter moves), or its MLP neurons (gate / up rows with
+    down columns, stock's output unchanged up to rounding): ours decodes as stock on the edited model
+    (prepacked float32 layers: divergences only at near ties)."""
+    torch.manual_seed(3)
+    model = with_adapters(load(smollm2_path, torch.float32), {n: ADAPTERS[n] for n in ("embed", "plain")},
+                          strength=0.02)
+    rows = ["plain", BASE, "embed", "plain"]
+    enc = tokenizer(PROMPTS[:4], return_tensors="pt", padding=True)
+    kw = dict(adapter_names=rows, do_sample=False, max_new_tokens=NEW, pad_token_id=tokenizer.pad_token_id,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        model.generate(**enc, invisible_lora=True, prepack=True, **kw)  # the copies are made
+        mlp = model.base_model.model.model.layers[5].mlp
+        perm = torch.randperm(mlp.down_proj.in_features, generator=torch.Generator().manual_seed(0))
+        edits = [(mlp.down_proj, 1)] + ([(mlp.gate_proj, 0), (mlp.up_proj, 0)] if edit == "neurons" else [])
+        for proj, axis in edits:
+            w = proj.get_base_layer().weight
+            w.data.copy_(w.data.index_select(axis, perm))
+        stock = model.generate(**enc, output_logits=True, **kw)
+        ours = model.generate(**enc, invisible_lora=True, prepack=True, num_draft_tokens=3, gate="always", **kw)
+    diverged = divergences(model, rows, stock, ours.sequences, enc.attention_mask, enc.input_ids.shape[1])
+    assert all_near_ties(diverged), f"divergences (step, gap, stock's noise) not at near ties: {diverged}"
