@@ -162,9 +162,21 @@ def test_bfloat16_model_with_float32_adapters(path):
         with torch.no_grad(), bank.installed(context):
             bank.begin_pass()
             with context.running(torch.zeros(len(names), dtype=torch.long), 1, 1, adapters=bank.slots(names)):
-                assert torch.equal(q(x), ref)
+                assert_same_rounding(q(x), ref)
     ids = torch.randint(2, 64, (len(names), 4))
-    assert torch.equal(bank_logits(model, ids, names, mixed=False), alone_logits(model, ids, names))
+    assert_same_rounding(bank_logits(model, ids, names, mixed=False), alone_logits(model, ids, names))
+
+
+def assert_same_rounding(got, ref):
+    """``got`` is ``ref`` bit for bit, but where the float32 matmuls of the LoRA term summed in
+    another order (on AVX-512 CPUs MKL's kernels for 300 and 1,800 rows do): then a bfloat16 output
+    may differ by one unit in the last place, in at most 0.1% of the elements. The other rounding
+    (the delta added in float32 instead of rounded first, or the reverse) differs in ~15% of them."""
+    differ = got != ref
+    assert differ.sum() <= differ.numel() // 1000, f"{int(differ.sum())} of {differ.numel()} differ"
+    if differ.any():
+        ulp = torch.finfo(got.dtype).eps * ref[differ].float().abs()
+        assert ((got[differ].float() - ref[differ].float()).abs() <= ulp).all()
 
 
 # --- generate() ------------------------------------------------------------------------------------
