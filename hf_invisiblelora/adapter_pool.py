@@ -9,15 +9,36 @@ request needs, one that only requests after it wait for, if there is no other), 
 adapter is loaded again, between cycles, when a request names it. A swap loads the new adapter
 before it evicts the old one (a failed load changes nothing, and PEFT keeps at least one adapter),
 so the model holds one adapter more for a moment.
+
+Loading reads the folder through adapter_files.py (inside the allowed roots at each file's read,
+the rank bounded by ``max_lora_rank`` before anything is allocated, finite values only) and puts
+the adapter into the model or nothing: a load that fails at any point leaves the model's modules
+as they were, and its memory is handed back.
+
+Adapter names are what routers and gateways carry: letters, digits and ``_ - . / :``, starting
+with a letter or digit, at most 128 characters (``check_name``); no commas, which
+``vllm:lora_requests_info`` uses to join names, no spaces, quotes or control characters.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import itertools
 import logging
 import os
+import re
 
+from .adapter_files import (
+    MAX_RANK,
+    AdapterRefused,
+    OutsideRoots,
+    Unreadable,
+    add_adapter,
+    read_adapter,
+    remove_adapter,
+)
+from .bank import nonfinite
 from .checks import check_model
 from .lora import BASE
 
@@ -41,7 +62,18 @@ class AdapterExists(ValueError):
 
 
 class AdapterUnsupported(ValueError):
-    """The adapter loaded, but the engine cannot serve it (checks.check_model says why); it was removed."""
+    """The adapter cannot be served (its folder, its rank or values, or checks.check_model say why); the
+    model is as it was."""
+
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}")
+
+
+def check_name(name) -> None:
+    """A ValueError unless ``name`` is an adapter name the engine serves (the module docstring)."""
+    if not (isinstance(name, str) and NAME.fullmatch(name)) or name == BASE:
+        raise ValueError(f"Adapter names are 1-128 letters, digits and _ - . / : (starting with a letter or digit; "
+                         f"not {BASE!r}); got {name!r}.")
 
 
 class AdapterPool:
@@ -50,12 +82,15 @@ class AdapterPool:
     they can be evicted and loaded again) and for others, loaded when a request names them.
     ``loads``, ``evictions``: how many so far (the engine's metrics)."""
 
-    def __init__(self, model, max_cpu_loras: int | None, adapter_paths: dict | None):
+    def __init__(self, model, max_cpu_loras: int | None, adapter_paths: dict | None, max_lora_rank: int = MAX_RANK):
         paths = {name: os.fspath(path) for name, path in (adapter_paths or {}).items()}
         if BASE in paths:
             raise ValueError(f"{BASE!r} is the base model, not an adapter name.")
-        self.model, self.max_cpu_loras = model, max_cpu_loras
+        for name in [*model.peft_config, *paths]:
+            check_name(name)
+        self.model, self.max_cpu_loras, self.max_lora_rank = model, max_cpu_loras, max_lora_rank
         self.paths = {**{name: None for name in model.peft_config}, **paths}
+        self.roots = {}  # name -> the roots its files must be read under (absent: anywhere)
         if max_cpu_loras is not None:
             unknown = [name for name in model.peft_config if self.paths[name] is None]
             if len(model.peft_config) > max_cpu_loras:
@@ -82,36 +117,48 @@ class AdapterPool:
         """Another adapter can be loaded without evicting one."""
         return self.max_cpu_loras is None or len(self.model.peft_config) < self.max_cpu_loras
 
-    def load(self, name: str, path: str) -> None:
-        """Load an adapter into the model; one PEFT fails to load or the engine cannot serve
-        (checks.check_model) is removed again: then the model is as it was."""
+    def load(self, name: str, path: str, roots=None) -> None:
+        """Load an adapter into the model (see the module docstring); ``roots``: the real paths its
+        files must be read under (None: anywhere), kept for loading it again after an eviction. One
+        that cannot be read or served raises AdapterUnsupported, and one PEFT fails to load its own
+        error; either way the model is as it was."""
+        roots = self.roots.get(name) if roots is None else roots
         try:
-            self.model.load_adapter(path, adapter_name=name)
-            self.model.eval()
+            files = read_adapter(path, self.model, roots, self.max_lora_rank)
+        except (OutsideRoots, Unreadable):
+            raise
+        except AdapterRefused as e:
+            raise AdapterUnsupported(str(e)) from e
+        def servable():
             try:
                 check_model(self.model)
             except ValueError as e:
                 raise AdapterUnsupported(str(e)) from e
-        except Exception:
-            if name in self.model.peft_config:
-                self.delete(name)
+            bad = nonfinite(self.model, name)
+            if bad is not None:
+                raise AdapterUnsupported(f"its values are not finite in {bad} (B * scaling overflows, or a DoRA "
+                                         "scale): its outputs would be undefined")
+
+        try:
+            add_adapter(self.model, name, files, servable)
+        except BaseException:
+            del files
+            return_freed_memory()
             raise
+        if roots is not None:
+            self.roots[name] = roots
         self.touch(name)
         self.loads += 1
 
     def delete(self, name: str) -> None:
-        """PEFT's delete_adapter, another adapter made the active one first if ``name`` is: PEFT takes
-        the next one from its first LoRA layer, and where that layer holds no other, the model's
-        active adapter stays the deleted one (then every PEFT call on the model fails)."""
-        if name in self.model.active_adapters:
-            self.model.set_adapter(next(a for a in self.model.peft_config if a != name), inference_mode=True)
-        self.model.delete_adapter(name)
+        remove_adapter(self.model, name)
 
     def forget(self, name: str) -> None:
         """Stop serving ``name`` (deleted from the model if loaded)."""
         if self.loaded(name):
             self.delete(name)
         del self.paths[name], self.used[name]
+        self.roots.pop(name, None)
 
     def evictable(self, keep: str, running, waiting, idle: bool) -> list[str]:
         """Loaded adapters that may be evicted now, the best first: not ``keep``, not in ``running``
@@ -141,6 +188,7 @@ def return_freed_memory() -> None:
     memory to the OS only from the top of the heap, so the holes a freed bank leaves stay resident.
     Measured on SmolLM2 with its zoo (2 CPUs): loading 11 more adapters grew the RSS by 770 MB, of
     which 475 MB were free in the heap; malloc_trim(0) after each change returned them, in 40-120 ms."""
+    gc.collect()  # a failed load's modules can sit in a reference cycle with its traceback
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (AttributeError, OSError):  # not glibc

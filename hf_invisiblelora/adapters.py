@@ -93,6 +93,7 @@ class BankSwitch:
         new = {a for a in adapter_names if a and a != BASE} - self._synced
         if new:  # compare these adapters' weights with the bank's copy once per switch (one per call)
             self.bank.sync(new, self.check)
+            self.bank.check_finite(new)
             self._synced |= new
         names = [a or BASE for a in adapter_names]
         self.row_slots = self.bank.slots(names)

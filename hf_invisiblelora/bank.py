@@ -111,6 +111,34 @@ class _Packs:
         self.cache = {}
 
 
+def _values(m, a: str, dtype) -> tuple:
+    """Adapter ``a``'s stacked values in LoRA layer ``m``: A, and B * scaling (scaled in the adapter's
+    own dtype before any cast, as PEFT does), in ``dtype``."""
+    return m.lora_A[a].weight.to(dtype), (m.lora_B[a].weight * m.scaling[a]).to(dtype)
+
+
+def _finite(*tensors) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def nonfinite(model, adapter: str) -> str | None:
+    """The first LoRA layer of ``model`` where ``adapter``'s values as the bank stacks them (A, B *
+    scaling, a DoRA scale; an embedding's A and B * scaling) are not all finite, or None."""
+    with torch.no_grad():
+        for name, m in named_lora_layers(model):
+            if adapter in m.lora_A:
+                A, B = _values(m, adapter, torch.promote_types(m.lora_A[adapter].weight.dtype,
+                                                               m.lora_B[adapter].weight.dtype))
+                values = (A, B, _dora_scale(m, adapter)) if adapter in m.lora_magnitude_vector else (A, B)
+            elif adapter in m.lora_embedding_A:
+                values = (m.lora_embedding_A[adapter], m.lora_embedding_B[adapter] * m.scaling[adapter])
+            else:
+                continue
+            if not _finite(*values):
+                return name
+    return None
+
+
 def _dora_scale(m, a: str) -> torch.Tensor:
     """DoRA's column scale of adapter ``a`` in layer ``m``, magnitude / ||W + scaling * B @ A||, by
     PEFT's own DoraLinearLayer methods as its forward calls them (in the adapter's dtype: the input's,
@@ -148,7 +176,7 @@ class _Stacks:
         if self.dora:
             self.scale = torch.ones(len(names) + 1, m.out_features, **like)
             self.is_dora = torch.tensor([s in self.dora for s in range(len(names) + 1)], device=like["device"])
-        self.sources = {}
+        self.sources, self.nonfinite = {}, set()  # nonfinite: slots with a value that is not finite
         for slot, a in enumerate(names):
             if a in ranks:
                 self.write(slot, a, check)
@@ -162,11 +190,6 @@ class _Stacks:
         col_slot = torch.tensor([s for s, r in zip(slots, ranks) for _ in range(r)], dtype=torch.long, device=B.device)
         return _Packed(A, B, col_slot, tuple(ranks))
 
-    def _values(self, a):
-        m = self.module
-        # Scale in the adapter's own dtype before any cast, as PEFT does.
-        return m.lora_A[a].weight.to(self.A.dtype), (m.lora_B[a].weight * m.scaling[a]).to(self.B.dtype)
-
     def _sources(self, slot: int, a: str) -> tuple:
         """What slot ``slot`` (adapter ``a``) is computed from: its weights and scaling; a DoRA slot's
         scale also from its magnitude and the base weight."""
@@ -178,11 +201,14 @@ class _Stacks:
 
     @torch.no_grad()
     def write(self, slot: int, a: str, check: SourceCheck) -> None:
-        A, B = self._values(a)
+        A, B = _values(self.module, a, self.A.dtype)
         r = A.shape[0]
         self.A[slot, :r], self.B[slot, :, :r] = A, B
+        finite = _finite(A, B)
         if slot in self.dora:  # in place: compiled passes keep reading the same tensor
             self.scale[slot] = _dora_scale(self.module, a)
+            finite = finite and _finite(self.scale[slot])
+        (self.nonfinite.discard if finite else self.nonfinite.add)(slot)
         self.sources[slot] = check(self._sources(slot, a))
         self.packs.clear()
         if self.group is not None:
@@ -394,17 +420,30 @@ class AdapterBank:
 
     @staticmethod
     def _packed_shrink(x, packed, meta):
-        """x @ packed.A, each token's row zero outside its own slot's columns."""
+        """x @ packed.A, each token's row zero outside its own slot's columns. Set to zero, not
+        multiplied by a 0/1 mask: a token's product with another slot's A may overflow to Inf (or
+        be NaN), and Inf * 0 is NaN; zeros then add exact zeros through the finite B of the other
+        slots (the bank refuses slots that are not finite), so a row never computes with another
+        row's adapter values."""
         y = x @ packed.A
         if meta.static:  # computed in the graph: its inputs are updated in place between calls
-            return y * (meta.token_slots[:, None] == packed.col_slot).to(y.dtype)
+            return torch.where(meta.token_slots[:, None] == packed.col_slot, y, 0)
         if len(meta.active_slots) == 1 and meta.lora_range == (0, y.shape[0]):
             return y  # every token on the one active slot
-        key = (packed.key, y.dtype)
-        mask = meta.masks.get(key)
-        if mask is None:
-            mask = meta.masks[key] = (meta.token_slots[:, None] == packed.col_slot).to(y.dtype)
-        return y.mul_(mask)
+        foreign = meta.masks.get(packed.key)
+        if foreign is None:
+            foreign = meta.masks[packed.key] = meta.token_slots[:, None] != packed.col_slot
+        return y.masked_fill_(foreign, 0)
+
+    def check_finite(self, adapters) -> None:
+        """A ValueError if one of ``adapters`` has a value that is not finite (NaN or Inf) in its
+        stacks: its rows' outputs would be undefined (other rows' never are: _packed_shrink)."""
+        for layer in self.layers.values():
+            for slot in layer.nonfinite:
+                if self.adapter_names[slot] in adapters:
+                    raise ValueError(f"Adapter {self.adapter_names[slot]!r} has weights or a scaling that are not "
+                                     "finite (NaN or Inf, or B * scaling overflows), so its outputs are undefined; "
+                                     "fix or remove it.")
 
     def max_rank(self, slots) -> int:
         """The largest rank of these slots' adapters over all layers."""

@@ -80,6 +80,17 @@ class SharedCache(Cache):
     def nbytes(self) -> int:
         return sum(x.keys.nbytes + x.values.nbytes for x in self.layers if x.is_initialized)
 
+    def clear(self, rows: list[int], start: int = 0) -> None:
+        """Zero the slots of ``rows`` from ``start`` on (rows given to new requests; the slots before
+        ``start`` hold a continued cache, SharedCache.load). A pass reads a row's slots up to
+        ``kv_len`` whatever its mask hides, and masking adds to a score: a NaN or Inf key or value a
+        row's last request left (an adapter whose activations overflowed in its own rows) would
+        reach the next request's outputs (NaN + finfo.min is NaN, NaN x 0 is NaN)."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys[rows, :, start:] = 0
+                layer.values[rows, :, start:] = 0
+
     def load(self, cache: DynamicCache, rows: int) -> None:
         """Slots [0, n) of rows 0..rows-1 from ``cache``, a DynamicCache of ``rows`` rows holding n
         tokens each (the cache a continued generate() call is passed: the keys and values of its

@@ -213,6 +213,7 @@ class Decoder:
             self.names[r] = name
             self.drafted[r] = self.accepted[r] = self.row_cycles[r] = 0
         self._rows_changed()
+        self.fwd.cache.clear(idx, cached)  # nothing of the rows' earlier requests is read (SharedCache.clear)
         self.batch.load(idx, input_ids, max_new)
         self.fwd.layout.load(idx, attention_mask, positions, [p + m - 2 for m in max_new])
         if upto == 0:
@@ -235,8 +236,12 @@ class Decoder:
         last chunk gives each row its first token, as admit() describes."""
         batch, p = self.batch, self.batch.plen_h[idx[0]]
         sub = torch.tensor(idx, device=batch.tokens.device)
-        logits = self.fwd(batch.tokens[sub, start:end], sub.new_full((len(idx),), start), end, keep=1,
-                          prefix=p if (start, end) == (0, p) else None, rows=sub)
+        prompt = self.policy.wants_prompt(idx)  # prompt log-probabilities: every position's logits
+        logits = self.fwd(batch.tokens[sub, start:end], sub.new_full((len(idx),), start), end,
+                          keep=end - start if prompt else 1, prefix=p if (start, end) == (0, p) else None, rows=sub)
+        if prompt:
+            self.policy.keep_prompt(batch, idx, logits, start)
+            logits = logits[:, -1:]
         for r in idx:
             batch.done_h[r] = self.waiting[r] = end < p
         if end < p:

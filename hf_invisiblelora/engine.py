@@ -43,6 +43,7 @@ import threading
 
 import torch
 
+from .adapter_files import MAX_RANK
 from .adapter_pool import (
     AdapterBusy,
     AdapterExists,
@@ -50,6 +51,7 @@ from .adapter_pool import (
     AdapterUnsupported,
     LastAdapter,
     UnknownAdapter,
+    check_name,
     return_freed_memory,
 )
 from .checks import check_adapter_state, check_model
@@ -110,7 +112,8 @@ class Engine:
     def __init__(self, model, max_batch: int = 8, max_len: int = 1024, num_draft_tokens: int = 4,
                  gate: str = "auto", max_queue: int = 1024, max_loras: int | None = None,
                  max_cpu_loras: int | None = None, adapter_paths: dict | None = None, draft_vocab=None,
-                 draft_dtype=None, prepack="auto", prefill_chunk: int | None = PREFILL_CHUNK):
+                 draft_dtype=None, prepack="auto", prefill_chunk: int | None = PREFILL_CHUNK,
+                 max_lora_rank: int = MAX_RANK):
         """``max_loras``, ``max_cpu_loras``: the bounds of the module docstring (None: none).
         ``adapter_paths``: {name: local PEFT adapter folder}, for adapters the model has loaded (so
         that they can be evicted and loaded again) and for others, loaded when a request names them.
@@ -119,7 +122,9 @@ class Engine:
         model have seen). ``prepack``: the linear layers on prepacked weight copies, as generate() takes it
         (prepack.py: checked or made when the engine's thread starts). ``prefill_chunk``: the most
         prompt tokens one prefill pass takes (rows x tokens; None: every prompt in one pass): longer
-        prompts are prefilled in chunks, one between two cycles (the module docstring)."""
+        prompts are prefilled in chunks, one between two cycles (the module docstring).
+        ``max_lora_rank``: the largest rank an adapter loaded while serving may have (vLLM's
+        ``max_lora_rank``), checked before anything is allocated for it (adapter_files.py)."""
         check_model(model)
         check_prepack(prepack)
         check_adapter_state(model, [], mixed=True)  # no dropout in training mode anywhere
@@ -164,7 +169,7 @@ class Engine:
         self.prefill_chunk = _bound("prefill_chunk", prefill_chunk)
         self._chunked = collections.deque()  # [group, slots done]: prompts being prefilled in chunks
         # Changed on the engine's thread under _wake; submit() reads it under the same lock.
-        self._pool = AdapterPool(model, self.max_cpu_loras, adapter_paths)
+        self._pool = AdapterPool(model, self.max_cpu_loras, adapter_paths, _bound("max_lora_rank", max_lora_rank))
         self._adapters = list(self._pool.paths)
         self._policy = RequestPolicy(max_batch, inner.device)
         self.metrics = dict(cycles=0, tokens=0, k_hist=collections.Counter(),
@@ -237,15 +242,19 @@ class Engine:
     def running(self) -> int:
         return sum(h is not None for h in self._in_row)
 
-    def load_adapter(self, name: str, path: str, timeout: float = 600) -> None:
-        """Load a PEFT adapter between cycles. One the engine cannot serve (checks.check_model) is
-        refused with a ValueError and removed again, as is one PEFT fails to load. Past
-        ``max_cpu_loras`` the least recently used idle adapter is evicted; if every other one is in
-        use, this one is (it stays served, loaded when a request names it)."""
+    def load_adapter(self, name: str, path: str, timeout: float = 600, roots=None) -> None:
+        """Load a PEFT adapter between cycles (adapter_pool.py: its folder read inside ``roots``, the
+        real paths its files may be read under, None: anywhere; its name checked, check_name). One
+        the engine cannot read or serve is refused with AdapterUnsupported (a ValueError), one PEFT
+        fails to load with PEFT's error; either way the model is as it was. Past ``max_cpu_loras``
+        the least recently used idle adapter is evicted; if every other one is in use, this one is
+        (it stays served, loaded when a request names it)."""
+        check_name(name)
+
         def load():
             if name == BASE or name in self._pool:
                 raise AdapterExists(f"An adapter named {name!r} is already served (or reserved).")
-            self._pool.load(name, os.fspath(path))
+            self._pool.load(name, os.fspath(path), roots)
             with self._wake:
                 self._pool.paths[name] = os.fspath(path)
             self._fit(name, idle=True)
@@ -490,7 +499,9 @@ class Engine:
                 decoder.set_stops(r, stops)
                 self._policy.set_request(r, h.request, stops)
             chunked = self.prefill_chunk is not None and len(group) * width > self.prefill_chunk and decoder.chunkable
-            kept = decoder.admit([r for r, _ in group], ids, mask, positions, [h.request.max_tokens for _, h in group],
+            # max_tokens 0 (the prompt's log-probabilities only): decoded as 1, nothing delivered (_deliver)
+            kept = decoder.admit([r for r, _ in group], ids, mask, positions,
+                                 [max(h.request.max_tokens, 1) for _, h in group],
                                  [h.request.adapter for _, h in group], upto=0 if chunked else None)
         except Exception as e:  # noqa: BLE001 - only the group is involved; the rows decoding go on
             self._fail(decoder, group, "prefill", e)
@@ -522,8 +533,9 @@ class Engine:
             self._prefilled(decoder, group, kept)
 
     def _prefilled(self, decoder: Decoder, group: list, kept: list[int]) -> None:
-        for _, h in group:
+        for r, h in group:
             h.status = Status.DECODING
+            h.prompt_logprobs = self._policy.prompt[r]
         self._deliver(decoder, kept)
 
     def _deliver(self, decoder: Decoder, kept: list[int]) -> None:
@@ -540,6 +552,9 @@ class Engine:
             if h is None:
                 continue
             try:
+                if h.request.max_tokens == 0:  # its prompt only
+                    self._release(decoder, r, "length")
+                    continue
                 if chunk:
                     top = h.request.logprobs
                     logprobs = () if top is None else \

@@ -43,7 +43,7 @@ class LoraMeta:
     # The torch path's padded layout: the LoRA tokens of active slot g at rows g*width .. of a
     # [G * width] index (padding: token 0, masked out), so one batched matmul serves every slot.
     pad_index: torch.Tensor | None = None  # [G * width] long
-    pad_mask: torch.Tensor | None = None  # [G, width, 1] float: 1 for a real token, 0 for padding
+    pad_mask: torch.Tensor | None = None  # [G, width, 1] bool: True for a real token, False for padding
     pad_positions: torch.Tensor | None = None  # [n] long: where sorted LoRA token i sits in the padded layout
     # Prepared weight copies for this set of active slots, filled lazily by the torch path and
     # carried over to the next forward's metadata while the active set stays the same.
@@ -68,7 +68,7 @@ def make_meta(token_slots: torch.Tensor, num_slots: int, previous: LoraMeta | No
         static: active = None (all slots), offsets = cumsum(slot_counts) [S], num_lora_tokens = T
                 (the torch path gives the no-LoRA tokens, sorted last, a zero delta)
         padded layout (torch path; when padding at most doubles the rows): active slot g's tokens
-                at pad_index[g * width + i], i < its count; the rest 0 with pad_mask 0
+                at pad_index[g * width + i], i < its count; the rest 0 with pad_mask False
     token_slots: [T] long in [-1, S). `previous`: the last forward's metadata; its weight cache is
     reused when the active slots are the same.
     """
@@ -100,8 +100,8 @@ def make_meta(token_slots: torch.Tensor, num_slots: int, previous: LoraMeta | No
             meta.pad_positions = torch.arange(n, device=lora.device) - firsts + groups * width
             meta.pad_index = torch.zeros(len(bounds) * width, dtype=torch.long, device=lora.device)
             meta.pad_index[meta.pad_positions] = lora
-            meta.pad_mask = torch.zeros(len(bounds) * width, device=lora.device)
-            meta.pad_mask[meta.pad_positions] = 1.0
+            meta.pad_mask = torch.zeros(len(bounds) * width, dtype=torch.bool, device=lora.device)
+            meta.pad_mask[meta.pad_positions] = True
             meta.pad_mask = meta.pad_mask.view(len(bounds), width, 1)
     if previous is not None and previous.active_slots == active_slots:
         meta.cache = previous.cache

@@ -97,7 +97,9 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, meta, scale: float = 1.0) -> t
     elif meta.pad_index is not None:
         g, width = meta.pad_mask.shape[:2]
         y = torch.bmm(x.index_select(0, meta.pad_index).view(g, width, -1), At)
-        y.mul_(meta.pad_mask.to(y.dtype))  # padding rows add nothing in lora_expand
+        # Padding rows add nothing in lora_expand: set to 0, not multiplied by 0 (token 0 read through
+        # another slot's A can be Inf or NaN, which a product by 0 would carry into token 0's output).
+        y.masked_fill_(~meta.pad_mask, 0)
     else:
         xs = x[meta.lora_range[0] : meta.lora_range[1]] if meta.lora_range is not None else \
             x.index_select(0, meta.sorted_tokens[: meta.num_lora_tokens])

@@ -238,7 +238,7 @@ def test_on_tokens_can_stop_a_request(model):
 
 def test_bad_requests_are_refused(model):
     engine = Engine(model, max_batch=2, max_len=32, num_draft_tokens=2)
-    for kw, message in [(dict(adapter="nope"), "Unknown adapter"), (dict(max_tokens=0), "max_tokens"),
+    for kw, message in [(dict(adapter="nope"), "Unknown adapter"), (dict(max_tokens=-1), "max_tokens"),
                         (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
                         (dict(max_tokens=40), "longer than this server allows")]:
         with pytest.raises(ValueError, match=message):
@@ -305,7 +305,7 @@ def test_faults_stay_with_their_request(model, tmp_path):
         assert bad.result(60) is not None and bad.finish_reason == "error" and "client gone" in bad.error
         assert good.result(60) and good.finish_reason == "length"
         assert engine.alive
-        with pytest.raises(ValueError, match=r"token ids in \[0, 64\)"):
+        with pytest.raises(ValueError, match=r"token id 99, which is out of vocabulary \(token ids are in \[0, 64\)"):
             engine.submit(Request([3, 99]))
         with pytest.raises(InvalidRequest, match="top_k must be an integer") as e:
             engine.submit(Request([3, 4], top_k=2.5))
@@ -655,14 +655,16 @@ def saved(tmp_path_factory):
 def evictions(monkeypatch, engine):
     """Record each adapter the engine deletes from the model, with the adapters of the batch's rows and
     of the waiting requests at that moment."""
-    seen, delete = [], engine.model.delete_adapter
+    from hf_invisiblelora import adapter_pool
 
-    def spy(name):
+    seen, delete = [], adapter_pool.remove_adapter
+
+    def spy(model, name):
         seen.append((name, {h.request.adapter for h in engine._in_row if h is not None},
                      {h.request.adapter for h in engine._waiting}))
-        return delete(name)
+        return delete(model, name)
 
-    monkeypatch.setattr(engine.model, "delete_adapter", spy)
+    monkeypatch.setattr(adapter_pool, "remove_adapter", spy)
     return seen
 
 

@@ -310,9 +310,11 @@ def test_bad_input(server, client):
     with pytest.raises(openai.BadRequestError) as e:  # prompt + max_tokens longer than the cache
         client.completions.create(**{**kw, "prompt": [5] * MAX_LEN})
     assert_error(e.value, 400, "context_length_exceeded")
-    for bad in (dict(temperature=-0.5), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(n=0), dict(n=17),
-                dict(echo=True, logprobs=2), dict(logprobs=21), dict(prompt=[3, 64]), dict(prompt=[]), dict(prompt=""),
-                dict(prompt=["one", "two"]), dict(stop=[""]), dict(seed="x"), dict(presence_penalty=1.0)):
+    for bad in (dict(temperature=-0.5), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=-1), dict(n=0), dict(n=17),
+                dict(logprobs=21), dict(prompt=[3, 64]), dict(prompt=[]), dict(prompt=""),
+                dict(prompt=["one", "two"]), dict(stop=[""]), dict(seed="x"), dict(presence_penalty=2.5),
+                dict(frequency_penalty=-3), dict(logit_bias={"64": 1}), dict(logit_bias={"3": 101}),
+                dict(logit_bias={"x": 1})):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**{**kw, **bad})
         assert_error(e.value, 400)

@@ -9,8 +9,10 @@ import os
 
 from starlette.concurrency import run_in_threadpool
 
-from ..lora import BASE
+from ..adapter_files import OutsideRoots, Unreadable
+from ..adapter_pool import check_name
 from ..engine import AdapterBusy, AdapterExists, AdapterUnsupported, LastAdapter, NotRunning, UnknownAdapter
+from ..lora import BASE
 from .protocol import ApiError, bad, json_body, show
 
 logger = logging.getLogger("hf_invisiblelora.serve")
@@ -59,6 +61,10 @@ class AdapterAdmin:
         for key, value in (("lora_name", name), ("lora_path", path)):
             if not isinstance(value, str) or not value:
                 raise bad(key, f"`{key}` must be a non-empty string.")
+        try:
+            check_name(name)
+        except ValueError as e:
+            raise bad("lora_name", str(e)) from None
         folder = self.adapter_folder(path)
         self.check_alive()
         # Checked and taken with no await in between, so atomic on the event loop: of two loads under
@@ -68,14 +74,20 @@ class AdapterAdmin:
         if name in (self.model_id, BASE) or name in self.adapter_paths:
             raise exists
         self.adapter_paths[name] = path
-        try:  # the engine refuses what it cannot serve (checks.check_model) and rolls back a failed load
-            await run_in_threadpool(self.engine.load_adapter, name, folder)
+        try:  # the engine reads the files inside the roots, refuses what it cannot serve, rolls back a failed load
+            await run_in_threadpool(self.engine.load_adapter, name, folder, roots=self.lora_roots or None)
         except Exception as e:  # noqa: BLE001 - PEFT's errors for a bad folder are of many kinds
             del self.adapter_paths[name]
             if isinstance(e, NotRunning):
                 raise self.unavailable() from e
             if isinstance(e, AdapterExists):
                 raise exists from e
+            if isinstance(e, Unreadable):  # its message is ours: what is missing or malformed
+                raise ApiError(400, f"Could not load the PEFT adapter in `lora_path`: {e}.", param="lora_path",
+                               code="adapter_load_failed") from e
+            if isinstance(e, OutsideRoots):  # a file, or the folder swapped since the check above
+                raise ApiError(403, f"The adapter's files must be inside the folders this server loads adapters "
+                               f"from (--lora-root): {e}.", param="lora_path", code="lora_path_not_allowed") from e
             if isinstance(e, AdapterUnsupported):  # its message is ours: what cannot be served, and why
                 raise ApiError(400, f"This server cannot serve the adapter: {e}", param="lora_path",
                                code="adapter_unsupported") from e

@@ -19,6 +19,7 @@ from .completions import Completions
 from .front_door import REQUEST_ID, FrontDoor, require_key
 from .metrics import Metrics
 from .protocol import MAX_BODY_BYTES, ApiError, internal_error, not_found, shutting_down
+from .text import prompt_chars_bound
 
 logger = logging.getLogger("hf_invisiblelora.serve")
 
@@ -44,6 +45,7 @@ class Server(Completions, AdapterAdmin):
         self.in_flight: dict[int, Job] = {}
         self.metrics = Metrics(engine, model_id)
         self.encode_lock = threading.Lock()  # one fast tokenizer is not safe to call from several threads
+        self.max_prompt_chars = prompt_chars_bound(tokenizer, engine.max_request_tokens)
         self.draining = False  # SIGTERM: new requests get 503 (Graceful)
         self.active = 0  # HTTP requests being answered (FrontDoor)
 
@@ -62,7 +64,15 @@ class Server(Completions, AdapterAdmin):
         if not self.alive():
             raise self.unavailable()
 
-    def encode(self, text: str, special: bool = True) -> list[int]:
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """A prompt of more characters than the longest request's tokens can hold is refused before
+        it is tokenized (text.prompt_chars_bound)."""
+        if chars > self.max_prompt_chars:
+            raise ApiError(400, f"The prompt is {chars} characters, more than {self.engine.max_request_tokens} tokens "
+                           f"(this server's longest request) can hold.", param=param, code="context_length_exceeded")
+
+    def encode(self, text: str, special: bool = True, param: str = "prompt") -> list[int]:
+        self.check_prompt_chars(len(text), param)
         with self.encode_lock:
             return self.tokenizer(text, add_special_tokens=special)["input_ids"]
 

@@ -24,8 +24,9 @@ class Job:
     (text delta, tokens shown) to the event loop, into the queue the request's choices share."""
 
     def __init__(self, server, request, stops: Stops, index: int, queue: asyncio.Queue, prefix: str = "",
-                 token_ids_as_text: bool = False):
+                 token_ids_as_text: bool = False, echo_logprobs: bool = False):
         self.server, self.index, self.queue, self.token_ids_as_text = server, index, queue, token_ids_as_text
+        self.echo_logprobs, self.prompt_sent = echo_logprobs, False  # the prompt's tokens lead the logprobs (echo)
         self.loop = asyncio.get_running_loop()
         self.text = TextStream(server.tokenizer, stops, prefix)
         self.failed = False  # detokenizing raised (logged): the request was cancelled
@@ -78,15 +79,39 @@ class Job:
     def finish_reason(self) -> str | None:
         return "stop" if self.text.stopped else self.handle.finish_reason
 
+    def _decode(self, token: int) -> str:
+        return f"token_id:{token}" if self.token_ids_as_text else self.server.token_text(token)
+
+    def prompt_logprobs(self) -> list | None:
+        """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token {id: {logprob,
+        rank, decoded_token}} of it and the most likely ones (None if not asked, or not computed)."""
+        entries = self.handle.prompt_logprobs
+        if entries is None:
+            return None
+        out = [None]
+        for token, entry in zip(self.handle.request.prompt[1:], entries[1:]):
+            lp, rank, top = entry
+            ranks = {t: i + 1 for i, (t, _) in enumerate(top)}
+            item = {str(t): {"logprob": _finite(v), "rank": ranks[t], "decoded_token": self._decode(t)} for t, v in top}
+            item[str(token)] = {"logprob": _finite(lp), "rank": rank, "decoded_token": self._decode(token)}
+            out.append(item)
+        return out
+
     def logprobs(self, chat: bool, upto: int):
         """The log-probabilities of the tokens shown (the first ``upto``) since the last call, in the
-        API's shape (None if not asked)."""
+        API's shape (None if not asked); with ``echo_logprobs``, the prompt's tokens first (the first
+        one's null), in the first call."""
         if self.handle.request.logprobs is None:
             return None
         tokens = self.handle.tokens[self.logprobs_sent:upto]
         entries = self.handle.logprobs[self.logprobs_sent:upto]
+        if self.echo_logprobs and not self.prompt_sent and self.handle.prompt_logprobs is not None:
+            self.prompt_sent = True
+            prompt = [(lp, top) for lp, _, top in self.handle.prompt_logprobs[1:]]
+            tokens, entries = self.handle.request.prompt + tokens, [None, *prompt, *entries]
+            self.offset = 0  # the echoed prompt's text comes first
         self.logprobs_sent = max(upto, self.logprobs_sent)
-        decode = (lambda t: f"token_id:{t}") if self.token_ids_as_text else self.server.token_text
+        decode = self._decode
         if chat:
             def item(t, lp):
                 text = decode(t)
@@ -94,11 +119,16 @@ class Job:
             return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]}
                                 for t, (lp, top) in zip(tokens, entries)]}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for t, (lp, top) in zip(tokens, entries):
+        for t, entry in zip(tokens, entries):
             text = decode(t)
             out["tokens"].append(text)
-            out["token_logprobs"].append(_finite(lp))
-            out["top_logprobs"].append({**{decode(i): _finite(v) for i, v in top}, text: _finite(lp)})
+            if entry is None:  # the prompt's first token: nothing before it
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                lp, top = entry
+                out["token_logprobs"].append(_finite(lp))
+                out["top_logprobs"].append({**{decode(i): _finite(v) for i, v in top}, text: _finite(lp)})
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out
@@ -117,7 +147,9 @@ class Job:
 
 
 def _finite(logprob: float) -> float:
-    return max(logprob, -9999.0)  # JSON has no -inf (vLLM clamps the same way)
+    """JSON has no -inf or NaN: below -9999 (vLLM's clamp) and NaN (a row whose logits were not
+    finite) are -9999."""
+    return logprob if logprob >= -9999.0 else -9999.0
 
 
 class Completion:

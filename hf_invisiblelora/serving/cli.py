@@ -11,6 +11,7 @@ import sys
 import uvicorn
 from starlette.concurrency import run_in_threadpool
 
+from ..adapter_files import MAX_RANK
 from .admin import missing
 from .app import Server, build_app
 from .protocol import MAX_BODY_BYTES
@@ -134,6 +135,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cpu-loras", type=int,
                    help="the most adapters kept loaded; idle ones are evicted LRU and loaded again on demand "
                         "(default: no bound)")
+    p.add_argument("--max-lora-rank", type=int, default=MAX_RANK,
+                   help="the largest rank of an adapter loaded while serving, checked before anything is allocated "
+                        "for it (vLLM's --max-lora-rank)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="the most tokens drafted per cycle (K)")
     p.add_argument("--prefill-chunk", type=int,
                    help="the most prompt tokens one prefill pass takes (rows x tokens; default: the engine's, "
@@ -173,8 +177,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("the API key must be printable ASCII, without spaces around it (an HTTP header carries it)")
     if args.max_body_bytes < 1 or args.shutdown_timeout < 0:
         p.error("--max-body-bytes must be >= 1 and --shutdown-timeout >= 0")
-    if any(v is not None and v < 1 for v in (args.max_loras, args.max_cpu_loras)):
-        p.error("--max-loras and --max-cpu-loras must be >= 1")
+    if any(v is not None and v < 1 for v in (args.max_loras, args.max_cpu_loras, args.max_lora_rank)):
+        p.error("--max-loras, --max-cpu-loras and --max-lora-rank must be >= 1")
     if args.prefill_chunk is not None and args.prefill_chunk < 0:
         p.error("--prefill-chunk must be >= 0 (0: whole prompts)")
     return args
@@ -220,7 +224,8 @@ def build_server(args: argparse.Namespace) -> Server | int:
                     max_cpu_loras=args.max_cpu_loras, adapter_paths=adapter_paths,
                     draft_dtype=draft_dtypes(args.draft_dtype),
                     prepack={"auto": "auto", "on": True, "off": False}[args.prepack],
-                    prefill_chunk=PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk or None).start()
+                    prefill_chunk=PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk or None,
+                    max_lora_rank=args.max_lora_rank).start()
     lora_roots = [os.path.realpath(root) for root in args.lora_root]
     return Server(engine, tokenizer, model_id, root, adapter_paths, api_key=args.api_key,
                   runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,

@@ -44,6 +44,9 @@ class Completions:
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             return self.encode(prompt)
+        if isinstance(prompt, list) and len(prompt) > self.engine.max_request_tokens:
+            raise ApiError(400, f"The prompt is {len(prompt)} tokens, more than this server allows "
+                           f"({self.engine.max_request_tokens}).", param="prompt", code="context_length_exceeded")
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return prompt  # their range: Engine.validate
         raise bad("prompt", "`prompt` must be a string or a list of token ids (one prompt per request).")
@@ -70,6 +73,7 @@ class Completions:
 
     def chat_prompt(self, body: dict, sampling: Sampling) -> list[int]:
         plain = self.chat_messages(body)
+        self.check_prompt_chars(sum(len(m["content"]) + len(m["role"]) for m in plain), "messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "This model's tokenizer has no chat template; use /v1/completions.",
                            param="messages", code="no_chat_template")
@@ -81,7 +85,7 @@ class Completions:
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages
             raise ApiError(400, "This model's chat template refused these messages (for example, roles in an order "
                            "it does not accept).", param="messages", code="invalid_value", cause=e) from e
-        return self.encode(text, special=False)
+        return self.encode(text, special=False, param="messages")
 
     def echo_text(self, body: dict, prompt: list[int], sampling: Sampling, chat: bool) -> str:
         """What ``echo`` puts before each choice's text: the prompt (completions); in a chat, the last
@@ -110,6 +114,8 @@ class Completions:
         max_tokens = sampling.max_tokens
         if max_tokens is None:
             max_tokens = self.room(len(prompt)) if chat else COMPLETION_DEFAULT_MAX_TOKENS
+        if max_tokens < 0:
+            raise bad(sampling.max_tokens_field, f"`{sampling.max_tokens_field}` must be >= 0, got {max_tokens}.")
         if sampling.min_tokens > max_tokens:
             raise bad("min_tokens", f"`min_tokens` ({sampling.min_tokens}) is more than max_tokens ({max_tokens}).")
         stops = Stops(sampling.stop, sampling.min_tokens, sampling.include_stop,
@@ -124,7 +130,7 @@ class Completions:
                     await run_in_threadpool(self.engine.validate, request)
                 self.check_alive()
                 completion.jobs.append(Job(self, request, stops, i, completion.queue, prefix,
-                                           sampling.token_ids_as_text))
+                                           sampling.token_ids_as_text, sampling.echo_logprobs))
         except BaseException as e:
             completion.close()
             if isinstance(e, QueueFull):
@@ -161,10 +167,14 @@ class Completions:
 
     # responses
 
-    def choice(self, job: Job, kind: str, text: str, finish_reason, chunk: bool, first: bool = False) -> dict:
+    def choice(self, job: Job, kind: str, text: str, finish_reason, chunk: bool, first: bool = False,
+               prompt_logprobs: bool = False) -> dict:
         logprobs = job.logprobs(kind == "chat", job.shown)
         if kind != "chat":
-            return {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            out = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            if prompt_logprobs:  # vLLM's, on the choice of a completion
+                out["prompt_logprobs"] = job.prompt_logprobs()
+            return out
         if not chunk:
             return {"index": job.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                     "finish_reason": finish_reason}
@@ -191,8 +201,12 @@ class Completions:
             error = self.failure(completion, request_id)
             if error:
                 raise error
-            choices = [self.choice(job, kind, job.text.text, job.finish_reason, chunk=False) for job in completion.jobs]
+            wanted = sampling.prompt_logprobs is not None
+            choices = [self.choice(job, kind, job.text.text, job.finish_reason, chunk=False, prompt_logprobs=wanted)
+                       for job in completion.jobs]
             obj = self.response(completion, kind, choices, chunk=False)
+            if wanted and chat:  # vLLM's, on the response of a chat
+                obj["prompt_logprobs"] = completion.jobs[0].prompt_logprobs()
             obj["usage"] = completion.usage()
             return JSONResponse(obj)
         except ClientGone:
@@ -208,7 +222,7 @@ class Completions:
         chunk carries the usage so far."""
         def sse(choices, usage=False) -> str:
             obj = self.response(completion, kind, choices, chunk=True)
-            if usage or sampling.continuous_usage:
+            if usage or sampling.include_usage and sampling.continuous_usage:  # vLLM's: continuous needs include_usage
                 obj["usage"] = completion.usage()
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 

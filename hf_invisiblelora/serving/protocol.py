@@ -174,13 +174,14 @@ def _flag(body: dict, name: str) -> bool:
 # name, as OpenAI's API refuses an unrecognized argument: a field nobody reads must not pass as honoured.
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids",
                  "include_stop_str_in_output", "stream", "stream_options", "min_tokens", "ignore_eos",
-                 "repetition_penalty", "logprobs", "echo", "user", "return_tokens_as_token_ids"}
+                 "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+                 "prompt_logprobs", "echo", "user", "return_tokens_as_token_ids"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                                "continue_final_message"}
-NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "best_of": (1,),
+NEUTRAL = {"best_of": (1,),
            "suffix": ("",), "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
-           "use_beam_search": (False,), "prompt_logprobs": (), "truncate_prompt_tokens": (),
+           "use_beam_search": (False,), "truncate_prompt_tokens": (),
            "return_token_ids": (False,), "structured_outputs": (), "guided_json": (), "guided_regex": (),
            "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (), "response_format": (),
            "skip_special_tokens": (True,), "chat_template": (), "chat_template_kwargs": (), "parallel_tool_calls": ()}
@@ -215,6 +216,12 @@ class Sampling:
         self.top_k = max(self.top_k, 0)
         self.min_p = _number(body, "min_p", 0.0)
         self.repetition_penalty = _number(body, "repetition_penalty", 1.0)
+        self.presence_penalty = _number(body, "presence_penalty", 0.0)
+        self.frequency_penalty = _number(body, "frequency_penalty", 0.0)
+        self.logit_bias = body.get("logit_bias")  # its keys and values: the engine's check
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise bad("logit_bias", "`logit_bias` must be an object of token ids (as strings) to biases.")
+        self.prompt_logprobs = _number(body, "prompt_logprobs", None, integer=True)  # vLLM's
         names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
         self.max_tokens, self.max_tokens_field = None, "max_tokens"
         for name in names:
@@ -243,6 +250,10 @@ class Sampling:
         if not isinstance(options, dict) or (options and not self.stream) or set(options) - STREAM_OPTIONS:
             raise bad("stream_options", "`stream_options` must be an object of include_usage and "
                        "continuous_usage_stats, and only given with stream=true.")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ApiError(400, "`prompt_logprobs` is served on requests that are not streamed (echo with logprobs "
+                           "streams the prompt's log-probabilities).", param="prompt_logprobs",
+                           code="unsupported_parameter")
         self.include_usage = _flag(options, "include_usage")
         self.continuous_usage = _flag(options, "continuous_usage_stats")
         self.add_generation_prompt = self.continue_final = False
@@ -259,15 +270,21 @@ class Sampling:
                            "needs add_generation_prompt=false.")
         else:  # logprobs: N, the most likely tokens besides the chosen one (0: the chosen one's only)
             self.logprobs = _number(body, "logprobs", None, integer=True)
-            if self.echo and self.logprobs is not None:
-                raise ApiError(400, "`echo` with `logprobs` asks for the prompt's log-probabilities, which this server "
-                               "does not compute.", param="echo", code="unsupported_parameter")
+        # echo with logprobs: the prompt's tokens come first in the answer's logprobs, with as many top ones
+        self.echo_logprobs = self.echo and not chat and self.logprobs is not None
         # the engine's field -> the request's, where they differ
         self.fields = {"max_tokens": self.max_tokens_field, "logprobs": "top_logprobs" if chat else "logprobs"}
+        if self.echo_logprobs and (self.prompt_logprobs is None or self.prompt_logprobs < self.logprobs):
+            self.engine_prompt_logprobs = self.logprobs
+            self.fields["prompt_logprobs"] = "logprobs"
+        else:
+            self.engine_prompt_logprobs = self.prompt_logprobs
 
     def request(self, prompt: list[int], adapter: str, max_tokens: int, seed):
         """The engine's Request for one choice."""
         return Request(prompt, adapter=adapter, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                       min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids),
-                       ignore_eos=self.ignore_eos, logprobs=self.logprobs, seed=seed)
+                       presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                       logit_bias=self.logit_bias, min_tokens=self.min_tokens,
+                       stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos, logprobs=self.logprobs,
+                       prompt_logprobs=self.engine_prompt_logprobs, seed=seed)

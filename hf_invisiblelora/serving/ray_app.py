@@ -37,7 +37,7 @@ from ray import serve
 from starlette.exceptions import HTTPException
 
 from . import cli
-from .protocol import MAX_BODY_BYTES, ApiError
+from .protocol import MAX_BODY_BYTES, ApiError, parse_json
 
 logger = logging.getLogger("hf_invisiblelora.serve")
 
@@ -202,9 +202,9 @@ class Router:
         replica answers what is wrong with the request)."""
         if request.method != "POST" or "json" not in request.headers.get("content-type", ""):
             return ""
-        try:
-            model = json.loads(body).get("model")
-        except (ValueError, AttributeError):
+        try:  # the server's own guards (depth, huge integers, lone surrogates); the replica says what is wrong
+            model = parse_json(body).get("model")
+        except ApiError:
             return ""
         return model if isinstance(model, str) and 0 < len(model) <= 256 else ""
 

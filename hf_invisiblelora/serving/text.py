@@ -34,6 +34,16 @@ class Stops:
         return tokens[:-1] if tokens and not self.include and tokens[-1] in self.token_ids else tokens
 
 
+def prompt_chars_bound(tokenizer, max_tokens: int) -> int:
+    """The most characters a prompt of ``max_tokens`` tokens can have, with room to spare: a token
+    covers at most as many characters as its longest string in the vocabulary (byte-level and
+    SentencePiece tokens spell out what they cover; special tokens are counted), doubled for
+    normalizers that drop characters. Longer text is refused before it is tokenized, which takes
+    seconds and hundreds of MB for a megabyte."""
+    longest = max((len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if t), default=16)
+    return 2 * max_tokens * max(longest, 1) + 1024
+
+
 def held_tail(text: str, stops) -> int:
     """Length of the longest tail of ``text`` that is a proper prefix of a stop string: held back
     while streaming, since the next tokens may complete the stop string."""
