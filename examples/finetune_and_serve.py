@@ -150,17 +150,20 @@ assert torch.equal(out.sequences, standard), "greedy InvisibleLoRA must match st
 print(f"same text as standard generate; {standard_s / fast_s:.2f}x its speed")
 
 # %% [markdown]
-# ## Tokens/s and acceptance per adapter
-# Each adapter's rows alone (and rows without adapter): standard `generate()` against
-# `invisible_lora=True`, and how many of the base model's drafts the adapter accepts (drafting
-# every cycle, `gate="always"`, so that every adapter is measured).
+# ## Tokens/s and acceptance: the mixed batch, and each adapter alone
+# The mixed batch above (what this project is for: one batch over every adapter), then each
+# adapter's rows alone (and rows without adapter): standard `generate()` against
+# `invisible_lora=True`, and how many of the base model's drafts are accepted (drafting every
+# cycle, `gate="always"`, so that every adapter is measured).
 
 # %%
 per_adapter = {}
-for name in ("shakespeare", "python_code", "__base__"):
-    rows = [p for p, n in zip(prompts, adapter_names) if n == name]
-    enc = tok(rows * 2, return_tensors="pt", padding=True)
-    gen = dict(adapter_names=[name] * len(rows) * 2, do_sample=False, max_new_tokens=24, pad_token_id=tok.pad_token_id)
+groups = {"mixed batch": (prompts, adapter_names)}
+groups.update({name: ([p for p, n in zip(prompts, adapter_names) if n == name] * 2,
+                      [name] * 2 * adapter_names.count(name)) for name in ("shakespeare", "python_code", "__base__")})
+for name, (rows, names) in groups.items():
+    enc = tok(rows, return_tensors="pt", padding=True)
+    gen = dict(adapter_names=names, do_sample=False, max_new_tokens=24, pad_token_id=tok.pad_token_id)
     with torch.no_grad():
         times = {}
         for way, options in (("standard", {}), ("invisible_lora", dict(invisible_lora=True))):
@@ -184,6 +187,7 @@ accept.set(xticks=x, xticklabels=list(per_adapter), ylabel="% of drafts accepted
 fig.legend(*speed.get_legend_handles_labels(), loc="lower left", ncol=2, frameon=False)
 fig.tight_layout(rect=(0, 0.07, 1, 1))  # the legend below the axes, off the bars
 fig.savefig(OUT / "per_adapter.png")
+print(f"the plot is saved in {OUT / 'per_adapter.png'}")
 plt.close(fig)
 fig
 

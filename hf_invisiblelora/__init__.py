@@ -4,9 +4,52 @@
 ``invisible_lora=True``; ``hf_invisiblelora.generate(model, ...)`` does the same without the flag.
 """
 
-from .api import InvisibleLoRAOutput, generate, install, warm_up
-from .state import state_of
-from .stats import DecodingStats
+import contextlib
+import importlib.util
+import logging
+import os
+import sys
+
+
+def _kernels_from_source() -> None:
+    """From a source checkout (its root on ``sys.path``: python without ``-P`` there, a notebook),
+    the top-level ``kernels/`` folder is this package's ``kernels`` subpackage, as setup.cfg maps
+    it at install (the import name ``kernels`` belongs to a Hugging Face package)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    folder = os.path.join(os.path.dirname(here), "kernels")
+    name = f"{__name__}.kernels"
+    if name in sys.modules or os.path.isdir(os.path.join(here, "kernels")) or \
+            not os.path.isfile(os.path.join(folder, "__init__.py")):
+        return
+    spec = importlib.util.spec_from_file_location(name, os.path.join(folder, "__init__.py"),
+                                                  submodule_search_locations=[folder])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    globals()["kernels"] = module
+
+
+@contextlib.contextmanager
+def _quiet_imports():
+    """PEFT imports torchao and bitsandbytes where they are installed, and on a CPU they log that
+    their CUDA libraries and kernels cannot load (and torch that torchao registers enums the old
+    way): nothing a user can act on. Those loggers are set to errors while we import, then back."""
+    names = ("torchao", "torch.utils._pytree", "bitsandbytes")
+    levels = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for n, level in levels.items():
+            logging.getLogger(n).setLevel(level)
+
+
+_kernels_from_source()
+with _quiet_imports():
+    from .api import InvisibleLoRAOutput, generate, install, warm_up
+    from .state import state_of
+    from .stats import DecodingStats
 
 install()
 

@@ -95,5 +95,5 @@ class DecodingStats:
 
 
 def rate(acceptance: float | None) -> str:
-    """An acceptance rate for people: a percentage, or "no drafts" when nothing was drafted."""
-    return "no drafts" if acceptance is None else f"{acceptance:.1%}"
+    """An acceptance rate for people: a percentage, or "n/a (nothing drafted)"."""
+    return "n/a (nothing drafted)" if acceptance is None else f"{acceptance:.1%}"

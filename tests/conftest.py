@@ -5,15 +5,6 @@ import torch
 # thread pool's spinning makes each tiny forward up to 100x slower.
 torch.set_num_threads(1)
 
-try:  # the suite tests the installed package; the source folder alone has no kernels subpackage
-    import hf_invisiblelora.kernels  # noqa: F401
-except ImportError as e:
-    raise RuntimeError(
-        "hf_invisiblelora was imported from the source folder, which lacks its kernels subpackage "
-        f"({e}). Install the project (pip install '.[zoo,test]') and run the tests against the installed "
-        "package: python -P -m pytest -q"
-    ) from e
-
 
 @pytest.fixture(scope="session")
 def smollm2_path():

@@ -138,13 +138,13 @@ def test_statistics_add_up():
 
 
 def test_no_drafts_is_not_zero_acceptance():
-    """Without drafting there is no acceptance rate: "no drafts", not 0% (which reads as every draft rejected)."""
+    """Without drafting there is no acceptance rate: "n/a (nothing drafted)", not 0% (which reads as every draft rejected)."""
     model = tiny_peft("llama", strength=0.6)
     ids, mask = prompts(LENGTHS)
     s = invisible(model, ids, mask, ROWS, max_new_tokens=5, gate="never", return_dict_in_generate=True).stats
     assert sum(s.drafted) == 0 and s.acceptance_rate is None
     assert all(v["acceptance"] is None for v in s.per_adapter.values())
-    assert "acceptance no drafts" in s.summary() and "0.0%" not in s.summary()
+    assert "acceptance n/a (nothing drafted)" in s.summary() and "0.0%" not in s.summary()
 
 
 def test_plain_tensor_return_and_explicit_function():

@@ -118,7 +118,11 @@ def draft_dtypes(names):
 
 def parser() -> argparse.ArgumentParser:
     """The server's options (the Ray Serve application takes the same: ray_app.py)."""
-    p = argparse.ArgumentParser(prog="python -m hf_invisiblelora.serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m hf_invisiblelora.serve",
+        description="An OpenAI-compatible server for a base model and its LoRA adapters: every request names "
+                    "an adapter (its model), and one mixed batch decodes them all, as each would decode alone.",
+        epilog="docs/serving.md has the API, every request parameter, the security model and the metrics.")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="base model folder (AutoModelForCausalLM.from_pretrained)")
     source.add_argument("--zoo", choices=("smollm2", "gemma3"), help="serve a zoo base model and its adapters")

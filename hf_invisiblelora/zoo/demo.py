@@ -11,7 +11,7 @@ and drafting where the gate expects it to pay). The texts must be the same; the 
 printed as medians with their spread, and say how often the gate drafted. Exit status 1 if any row
 differs, 2 if an asset cannot be had.
 
-``--adapters kjv_dora shakespeare_norm ...``: the zoo's DoRA and modules_to_save adapters, which
+``--adapters kjv_dora shakespeare_mts ...``: the zoo's DoRA and modules_to_save adapters, which
 stock PEFT cannot put in one mixed batch; the standard way is then stock generate() of each row
 alone with its adapter active. ``--quantize int8``: the base model quantized by torchao on loading
 (weight-only; the extra ``quant``), the same quantized model for every way.

@@ -52,6 +52,17 @@ def built_adapters(model: str, plain_only: bool = True) -> list[str]:
             if is_built(folder, n, manifest) and (is_plain(e) or not plain_only)]
 
 
+def adapter_path(model: str, adapter: str) -> Path:
+    """The folder of zoo adapter ``adapter`` of ``model`` (a PEFT adapter folder: PeftModel.from_pretrained
+    and the server's --lora take it), trained first if it is not built yet."""
+    if adapter not in ZOOS[model]:
+        raise ValueError(f"{adapter!r} is not an adapter of the {model} zoo; it has {sorted(ZOOS[model])}.")
+    folder = zoo_dir(model)
+    if not is_built(folder, adapter, read_manifest(folder)):
+        build(model, [adapter])
+    return folder / adapter
+
+
 def build(model: str = "smollm2", only: list[str] | None = None, recipes: dict[str, Recipe] | None = None) -> Path:
     """Train the zoo's missing adapters (or only the named ones); return the zoo folder."""
     import torch
