@@ -131,98 +131,127 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     stats = DecodingStats(names, num_draft_tokens)
     state = state_of(model)
 
-    # generate() calls this after its preparation; ``input_ids`` are then expanded for num_return_sequences.
-    def decode(inner, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
-        mask, cache = model_kwargs.get("attention_mask"), model_kwargs.get("cache")
-        given = cache if getattr(cache, "_is_user_defined", False) else None  # the caller's: extended in place
-        check_cache(given, input_ids, mask, generation_config, inner)  # first: it explains input_ids of another length
-        check_call(generation_config, logits_processor, model_kwargs, input_ids, streamer)
-        b, prompt_len = input_ids.shape
-        rows = _expand(names, b)
-        stats.adapter_names = rows
-        positions = model_kwargs.get("position_ids")
-        if positions is None:
-            positions = prompt_positions(mask, input_ids)
-        stopping = split_criteria(stopping_criteria)
-        pad = generation_config._pad_token_tensor
-        if stopping.max_length is None:
-            raise ValueError("invisible_lora needs a bound on the length: the stopping criteria hold no "
-                             "MaxLengthCriteria (a passed subclass of it with its own code does not say how long "
-                             "rows can get). Pass max_new_tokens or max_length.")
-        if stopping.pads and pad is None:
-            raise ValueError("A stopping criterion has an eos_token_id, so standard decoding pads the rows it stops, "
-                             "but no pad_token_id (or eos_token_id) is set: pass pad_token_id=...")
-        max_new = max(1, stopping.max_length - prompt_len)  # standard decoding checks the criteria after a token
-        width = prompt_len + max_new + num_draft_tokens + 1
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        vocab_size = inner.config.get_text_config(decoder=True).vocab_size
-        vocab = draft_vocab if draft_vocab is None or not isinstance(draft_vocab, int) else \
-            drafter_vocabulary(state, draft_vocab, input_ids, vocab_size)
-        drafters = [BaseModelDrafter(model, state, None if vocab is None else torch.as_tensor(vocab), d,
-                                     size=draft_vocab if isinstance(draft_vocab, int) else None) for d in draft_dtypes]
-        length = None
-        if warm_only and state.buckets:  # a bucket warm_up (or compile=True) built, whose passes this call can take
-            length = warmed(state.buckets, get_bank(model, adapters=()), input_ids.device, inner.dtype, b, width, rows,
-                            range(1, num_draft_tokens + 2), gate != "never", [d.key for d in drafters])
-        backend = "inductor" if length else compile_backend
-        pad_id = int(pad) if pad is not None else 0
-        eos = stopping.eos
-        slot = recompute_slot(inner, prompt_len)
-        returned = generation_config.return_dict_in_generate
-        want_scores, want_logits = returned and generation_config.output_scores, returned and generation_config.output_logits
-        # Standard decoding hands the criteria its scores tuple when it returns scores.
-        history = ScoreHistory(max_new, b, vocab_size, prompt_len, input_ids.device) \
-            if want_scores and reads_scores(stopping.criteria) else None
-        session = Session(
-            model, state, GeneratePolicy(logits_processor, bool(generation_config.do_sample), generator),
-            capacity=b, width=width, mixed=mixed, lora_backend=lora_backend, gate=gate,
-            num_draft_tokens=num_draft_tokens, drafters=drafters, compile_backend=backend, length=length,
-            prepack=prepack, span=b, pad_id=pad_id, eos=None if eos is None else eos.to(input_ids.device),
-            criteria=stopping.criteria, freeze=stopping.pads, timed=stopping.timed,
-            recompute=None if slot is None else Recompute(slot, b), scores=history,
-            keep_prefill=want_scores or want_logits,
-        )
-        fwd = session.fwd
-        past = given.get_seq_length() if given is not None else 0
-        if past:  # a continued cache: its keys and values at their slots, the prefill starts after them
-            fwd.cache.load(given, b)
-        with session.installed() as decoder:
-            kept = decoder.admit(list(range(b)), input_ids, mask, positions, [max_new] * b, rows, cached=past)
-            while True:
-                if streamer is not None and kept[0]:
-                    end = prompt_len + decoder.batch.gen_h[0]
-                    streamer.put(decoder.batch.tokens[0, end - kept[0] : end].cpu())
-                if not decoder.batch.active:
-                    break
-                kept = decoder.cycle()
-            new = decoder.output_length()
-            sequences = decoder.sequences(list(range(b)), prompt_len + new, pad_id)
-            observe_tokens(state, sequences, vocab_size)  # the draft vocabulary follows what is seen
-            decoder.fill_stats(stats, new)
-            if streamer is not None:
-                streamer.end()
-            if not returned and given is None:
-                session.rotary.finish(prompt_len, new)
-                return sequences
-            scores = logits = None
-            fed = want_scores or want_logits or _recomputes(decoder.recompute, prompt_len, new)
-            if fed:  # every slot the returned cache holds is fed again, as standard decoding fed it
-                raw = _step_logits(fwd, decoder, sequences, prompt_len, new, keep=want_scores or want_logits)
-                if raw is not None:
-                    scores, logits = step_outputs(logits_processor, sequences, prompt_len, raw, want_scores)
-                    logits = logits if want_logits else None
-            cache = _returned_cache(fwd, decoder.batch, sequences, inner.config, copy=backend is not None, fed=fed,
-                                    into=given)
-            session.rotary.finish(prompt_len, new)  # after the passes above: the rotary modules as standard decoding leaves them
-        if not returned:
-            return sequences
-        return InvisibleLoRAOutput(sequences=sequences, scores=scores, logits=logits, cache=cache, stats=stats)
-
+    call = Call(model, state, names, mixed, stats, streamer, gate, num_draft_tokens, lora_backend, compile_backend,
+                warm_only, prepack, generator, draft_vocab, draft_dtypes)
     with state.hold():
-        out = inner.generate(input_ids, custom_generate=decode, **kwargs)
+        out = inner.generate(input_ids, custom_generate=functools.partial(decode, call), **kwargs)
         state.stats = stats
     return out
+
+
+@dataclass
+class Call:
+    """One generate() call's settings, checked (``generate``), for ``decode``."""
+
+    model: object  # the PEFT model
+    state: object  # its ModelState
+    names: list  # each row's adapter (before num_return_sequences)
+    mixed: bool  # adapter_names given: PEFT's mixed-batch path
+    stats: DecodingStats
+    streamer: object
+    gate: str
+    num_draft_tokens: int
+    lora_backend: str
+    compile_backend: str | None
+    warm_only: bool  # compile="auto" on the CPU: a warmed-up bucket's compiled passes, never a compilation
+    prepack: object
+    generator: object
+    draft_vocab: object
+    draft_dtypes: tuple
+
+
+def decode(call: Call, inner, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+    """The decoding of one generate() call (``call``), as Transformers' ``custom_generate`` hook calls
+    it after generate()'s preparation (processors and criteria built, ``input_ids`` expanded for
+    num_return_sequences, the cache created): prefill, cycles until every row is done, then
+    generate()'s output."""
+    model, state, names, stats, streamer = call.model, call.state, call.names, call.stats, call.streamer
+    num_draft_tokens, draft_vocab, draft_dtypes = call.num_draft_tokens, call.draft_vocab, call.draft_dtypes
+    mask, cache = model_kwargs.get("attention_mask"), model_kwargs.get("cache")
+    given = cache if getattr(cache, "_is_user_defined", False) else None  # the caller's: extended in place
+    check_cache(given, input_ids, mask, generation_config, inner)  # first: it explains input_ids of another length
+    check_call(generation_config, logits_processor, model_kwargs, input_ids, streamer)
+    b, prompt_len = input_ids.shape
+    rows = _expand(names, b)
+    stats.adapter_names = rows
+    positions = model_kwargs.get("position_ids")
+    if positions is None:
+        positions = prompt_positions(mask, input_ids)
+    stopping = split_criteria(stopping_criteria)
+    pad = generation_config._pad_token_tensor
+    if stopping.max_length is None:
+        raise ValueError("invisible_lora needs a bound on the length: the stopping criteria hold no "
+                         "MaxLengthCriteria (a passed subclass of it with its own code does not say how long "
+                         "rows can get). Pass max_new_tokens or max_length.")
+    if stopping.pads and pad is None:
+        raise ValueError("A stopping criterion has an eos_token_id, so standard decoding pads the rows it stops, "
+                         "but no pad_token_id (or eos_token_id) is set: pass pad_token_id=...")
+    max_new = max(1, stopping.max_length - prompt_len)  # standard decoding checks the criteria after a token
+    width = prompt_len + max_new + num_draft_tokens + 1
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    vocab_size = inner.config.get_text_config(decoder=True).vocab_size
+    vocab = draft_vocab if draft_vocab is None or not isinstance(draft_vocab, int) else \
+        drafter_vocabulary(state, draft_vocab, input_ids, vocab_size)
+    drafters = [BaseModelDrafter(model, state, None if vocab is None else torch.as_tensor(vocab), d,
+                                 size=draft_vocab if isinstance(draft_vocab, int) else None) for d in draft_dtypes]
+    length = None
+    if call.warm_only and state.buckets:  # a bucket warm_up (or compile=True) built, whose passes this call can take
+        length = warmed(state.buckets, get_bank(model, adapters=()), input_ids.device, inner.dtype, b, width, rows,
+                        range(1, num_draft_tokens + 2), call.gate != "never", [d.key for d in drafters])
+    backend = "inductor" if length else call.compile_backend
+    pad_id = int(pad) if pad is not None else 0
+    eos = stopping.eos
+    slot = recompute_slot(inner, prompt_len)
+    returned = generation_config.return_dict_in_generate
+    want_scores, want_logits = returned and generation_config.output_scores, returned and generation_config.output_logits
+    # Standard decoding hands the criteria its scores tuple when it returns scores.
+    history = ScoreHistory(max_new, b, vocab_size, prompt_len, input_ids.device) \
+        if want_scores and reads_scores(stopping.criteria) else None
+    session = Session(
+        model, state, GeneratePolicy(logits_processor, bool(generation_config.do_sample), call.generator),
+        capacity=b, width=width, mixed=call.mixed, lora_backend=call.lora_backend, gate=call.gate,
+        num_draft_tokens=num_draft_tokens, drafters=drafters, compile_backend=backend, length=length,
+        prepack=call.prepack, span=b, pad_id=pad_id, eos=None if eos is None else eos.to(input_ids.device),
+        criteria=stopping.criteria, freeze=stopping.pads, timed=stopping.timed,
+        recompute=None if slot is None else Recompute(slot, b), scores=history,
+        keep_prefill=want_scores or want_logits,
+    )
+    fwd = session.fwd
+    past = given.get_seq_length() if given is not None else 0
+    if past:  # a continued cache: its keys and values at their slots, the prefill starts after them
+        fwd.cache.load(given, b)
+    with session.installed() as decoder:
+        kept = decoder.admit(list(range(b)), input_ids, mask, positions, [max_new] * b, rows, cached=past)
+        while True:
+            if streamer is not None and kept[0]:
+                end = prompt_len + decoder.batch.gen_h[0]
+                streamer.put(decoder.batch.tokens[0, end - kept[0] : end].cpu())
+            if not decoder.batch.active:
+                break
+            kept = decoder.cycle()
+        new = decoder.output_length()
+        sequences = decoder.sequences(list(range(b)), prompt_len + new, pad_id)
+        observe_tokens(state, sequences, vocab_size)  # the draft vocabulary follows what is seen
+        decoder.fill_stats(stats, new)
+        if streamer is not None:
+            streamer.end()
+        if not returned and given is None:
+            session.rotary.finish(prompt_len, new)
+            return sequences
+        scores = logits = None
+        fed = want_scores or want_logits or _recomputes(decoder.recompute, prompt_len, new)
+        if fed:  # every slot the returned cache holds is fed again, as standard decoding fed it
+            raw = _step_logits(fwd, decoder, sequences, prompt_len, new, keep=want_scores or want_logits)
+            if raw is not None:
+                scores, logits = step_outputs(logits_processor, sequences, prompt_len, raw, want_scores)
+                logits = logits if want_logits else None
+        cache = _returned_cache(fwd, decoder.batch, sequences, inner.config, copy=backend is not None, fed=fed,
+                                into=given)
+        session.rotary.finish(prompt_len, new)  # after the passes above: the rotary modules as standard decoding leaves them
+    if not returned:
+        return sequences
+    return InvisibleLoRAOutput(sequences=sequences, scores=scores, logits=logits, cache=cache, stats=stats)
 
 
 def _recomputes(recompute, prompt_len: int, new: int) -> bool:

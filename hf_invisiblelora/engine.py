@@ -54,7 +54,7 @@ from .adapter_pool import (
     check_name,
     return_freed_memory,
 )
-from .checks import check_adapter_state, check_model
+from .checks import check_adapter_state, check_model, check_options
 from .decoding import Decoder
 from .drafters import (
     BaseModelDrafter,
@@ -126,6 +126,7 @@ class Engine:
         ``max_lora_rank``: the largest rank an adapter loaded while serving may have (vLLM's
         ``max_lora_rank``), checked before anything is allocated for it (adapter_files.py)."""
         check_model(model)
+        check_options(gate, num_draft_tokens, "bank", False, draft_vocab)  # generate()'s own checks of these
         check_prepack(prepack)
         check_adapter_state(model, [], mixed=True)  # no dropout in training mode anywhere
         inner = model.get_base_model()

@@ -22,25 +22,11 @@ _FIELD_TYPES = {"temperature": "float", "top_p": "float", "min_p": "float", "rep
                 "stop_token_ids": "ids"}
 
 
-
-
 class Status(str, enum.Enum):
     WAITING = "waiting"  # queued, no row yet
     PREFILLING = "prefilling"  # in a row, its prompt's pass running
     DECODING = "decoding"  # in a row, cycles committing its tokens
     FINISHED = "finished"  # finish_reason says why
-
-
-class QueueFull(RuntimeError):
-    """The engine's queue holds ``max_queue`` requests already."""
-
-
-class NotRunning(RuntimeError):
-    """The engine is not running (not started, stopped, or failed)."""
-
-
-class UnknownAdapter(ValueError):
-    """No adapter of that name is loaded."""
 
 
 class InvalidRequest(ValueError):
@@ -53,22 +39,6 @@ class InvalidRequest(ValueError):
 
 class PromptTooLong(InvalidRequest):
     """The prompt plus max_tokens is longer than the engine's rows allow."""
-
-
-class AdapterBusy(RuntimeError):
-    """The adapter cannot be unloaded now: requests use it."""
-
-
-class LastAdapter(AdapterBusy):
-    """The adapter cannot be unloaded: a PEFT model keeps at least one."""
-
-
-class AdapterExists(ValueError):
-    """An adapter of that name is served already (or the name is reserved)."""
-
-
-class AdapterUnsupported(ValueError):
-    """The adapter loaded, but the engine cannot serve it (checks.check_model says why); it was removed."""
 
 
 def _shown(value) -> str:

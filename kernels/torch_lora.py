@@ -47,13 +47,6 @@ def _prepared(W: torch.Tensor, meta) -> torch.Tensor:
     return hit[1]
 
 
-def _active_mm(a: torch.Tensor, W: torch.Tensor, meta) -> torch.Tensor:
-    """Semantics: segment_mm over the active slots: out[seg_g] = a[seg_g] @ W[meta.active[g]].T
-    a: [n, K] (n = num_lora_tokens, sorted by slot); W: [S, N, K] -> out [n, N].
-    """
-    return _segment_mm(a, _prepared(W, meta), meta.offsets, meta.bounds)
-
-
 def _segment_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bounds: list | None = None) -> torch.Tensor:
     """Semantics:
         for g in range(G): out[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ w[g]       (offs[-1] = 0)

@@ -283,6 +283,14 @@ def test_adapters_load_and_unload_while_serving(tmp_path):
         engine.stop()
 
 
+@pytest.mark.parametrize("bad", [dict(gate="alway"), dict(num_draft_tokens=-1), dict(draft_vocab="many"),
+                                 dict(prepack="yes"), dict(max_lora_rank=0)])
+def test_unknown_option_values_are_refused_by_name(model, bad):
+    """The engine checks its options as generate() does (an unknown gate ran the auto gate before)."""
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Engine(model, **bad)
+
+
 def test_faults_stay_with_their_request(model, tmp_path):
     """A failing on_tokens callback ends only its request; bad token ids and types are refused up
     front; the last adapter and an adapter the engine cannot serve are refused (and rolled back)."""
