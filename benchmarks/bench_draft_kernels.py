@@ -24,8 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
 from common import machine, timed
+from tiny import SMOLLM2_DIMS
 
-HIDDEN, INTERMEDIATE, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
+HIDDEN, INTERMEDIATE, KV, LAYERS, VOCAB = (SMOLLM2_DIMS[k] for k in ("hidden", "intermediate", "kv", "layers", "vocab"))
 # (out, in) of one decoder layer's linear layers, then the head.
 LAYER = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
          (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]

@@ -21,10 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
 from common import machine
+from tiny import SMOLLM2_DIMS as SMOLLM2
 
 from hf_invisiblelora.kernels import packed_linear
-
-SMOLLM2 = dict(layers=30, hidden=576, kv=192, intermediate=1536, vocab=49152)
 
 
 def timed(ways: dict, repeats: int, before=None) -> dict:

@@ -4,22 +4,50 @@ a mixed, left-padded batch with "__base__" exactly as stock PEFT does (greedy, K
 refused before decoding with the model unchanged. Sliding windows (4) are shorter than the output
 (12 tokens); chunked attention (8) is crossed. Then every architecture whose rotary embedding
 can be made length-dependent again with dynamic NTK RoPE whose switch point the output crosses.
-docs/support.md has the resulting table (benchmarks/arch_sweep_report.py writes it).
+
+Each verdict is pinned to docs/support.md's table (benchmarks/arch_sweep_report.py writes it): an
+architecture served there that comes out refused fails here, as does a refused one that comes
+out served (the table must say so). Skips (a missing optional dependency, a Transformers bug) stay
+skips.
 """
+
+import re
+from pathlib import Path
 
 import pytest
 
 from arch_sweep import causal_lm_architectures, dynamic_rope, sweep_verdict
 
-@pytest.mark.parametrize("arch", causal_lm_architectures())
-def test_architecture(arch):
-    outcome, reason = sweep_verdict(arch)
+SUPPORT = Path(__file__).resolve().parent.parent / "docs" / "support.md"
+
+
+def documented() -> dict:
+    """{architecture: (verdict, verdict with dynamic RoPE)} of docs/support.md's table."""
+    rows = re.findall(r"^\| (\S+) \| [^|]+ \| (identical|refused|skipped) \|[^|]*\| (\S+) \|$",
+                      SUPPORT.read_text(), re.M)
+    return {arch: (verdict, dynamic) for arch, verdict, dynamic in rows}
+
+
+DOCUMENTED = documented()
+
+
+def check(arch, outcome, reason, column):
     if outcome == "skipped":
         pytest.skip(reason)
+    expected = DOCUMENTED.get(arch, (None, None))[column]
+    assert outcome == expected, (f"{arch}: {outcome} ({reason}), docs/support.md says {expected}: a regression, or "
+                                 "the table is stale (benchmarks/arch_sweep_report.py)")
+
+
+def test_the_table_lists_every_architecture():
+    assert set(causal_lm_architectures()) <= set(DOCUMENTED), set(causal_lm_architectures()) - set(DOCUMENTED)
+
+
+@pytest.mark.parametrize("arch", causal_lm_architectures())
+def test_architecture(arch):
+    check(arch, *sweep_verdict(arch), 0)
 
 
 @pytest.mark.parametrize("arch", causal_lm_architectures())
 def test_architecture_with_dynamic_rope(arch):
-    outcome, reason = sweep_verdict(arch, dynamic_rope)
-    if outcome == "skipped":
-        pytest.skip(reason)
+    check(arch, *sweep_verdict(arch, dynamic_rope), 1)

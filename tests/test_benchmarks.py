@@ -5,6 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 

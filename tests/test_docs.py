@@ -111,6 +111,7 @@ def run(block: Block, timeout: int = 900) -> None:
     assert done.returncode == 0, f"{block.file}:{block.line} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", RUN, ids=[f"{b.file}:{b.line}" for b in RUN])
 def test_block_runs(block):
     words = block.mark.split()

@@ -9,6 +9,9 @@ import re
 from pathlib import Path
 
 import nbformat
+import pytest
+
+pytestmark = pytest.mark.slow
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SCRIPT = EXAMPLES / "finetune_and_serve.py"

@@ -219,6 +219,7 @@ def test_triton_refuses_dtypes_it_was_not_written_for():
         ops.lora_expand(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float16), torch.zeros(2, 4, 4), meta)
 
 
+@pytest.mark.slow
 def test_triton_interpreter():
     """Runs test_triton_kernels on the CPU: TRITON_INTERPRET must be set before triton is imported."""
     pytest.importorskip("triton")

@@ -15,6 +15,7 @@ import pytest
 
 from test_serve import ADAPTERS, BASE_ID, MAX_LEN, TEXTS, files, free_port, generate, reference  # noqa: F401
 
+pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 from hf_invisiblelora.serving.ray_app import REPLICA_HEADER, app_builder, server_argv  # noqa: E402

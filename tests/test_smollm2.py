@@ -21,6 +21,8 @@ import hf_invisiblelora  # noqa: F401  (generate(..., invisible_lora=True))
 from hf_invisiblelora.lora import BASE
 from tiny import all_near_ties, divergences, with_adapters
 
+pytestmark = pytest.mark.slow
+
 zoo = pytest.importorskip("hf_invisiblelora.zoo", reason="the zoo extra is not installed")
 
 ADAPTERS = {

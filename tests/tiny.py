@@ -165,6 +165,8 @@ def all_near_ties(diverged: dict) -> bool:
 # SmolLM2-135M's shape with random weights.
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+# Its linear layers' sizes, for the benchmarks that time layers of that shape alone.
+SMOLLM2_DIMS = dict(layers=30, hidden=576, intermediate=1536, vocab=49152, kv=576 // 9 * 3)
 
 
 def smollm2_shaped(adapters: dict, strength: float = 1.0, seed: int = 0):
