@@ -8,7 +8,8 @@ can be made length-dependent again with dynamic NTK RoPE whose switch point the 
 Each verdict is pinned to docs/support.md's table (benchmarks/arch_sweep_report.py writes it): an
 architecture served there that comes out refused fails here, as does a refused one that comes
 out served (the table must say so). Skips (a missing optional dependency, a Transformers bug) stay
-skips.
+skips. Architectures of a Transformers release newer than the table's (setup.cfg takes a range)
+are not pinned: they must be identical or refused, as any.
 """
 
 import re
@@ -34,13 +35,21 @@ DOCUMENTED = documented()
 def check(arch, outcome, reason, column):
     if outcome == "skipped":
         pytest.skip(reason)
-    expected = DOCUMENTED.get(arch, (None, None))[column]
+    if arch not in DOCUMENTED:  # newer than the table (sweep_verdict asserted the rest)
+        return
+    expected = DOCUMENTED[arch][column]
     assert outcome == expected, (f"{arch}: {outcome} ({reason}), docs/support.md says {expected}: a regression, or "
                                  "the table is stale (benchmarks/arch_sweep_report.py)")
 
 
-def test_the_table_lists_every_architecture():
-    assert set(causal_lm_architectures()) <= set(DOCUMENTED), set(causal_lm_architectures()) - set(DOCUMENTED)
+def test_the_table_lists_the_architectures_it_was_made_for():
+    """The table covers this Transformers' architectures, but for those of a newer release."""
+    import transformers
+
+    missing = set(causal_lm_architectures()) - set(DOCUMENTED)
+    made_for = re.search(r"transformers (\d+\.\d+\.\d+)", SUPPORT.read_text()).group(1)
+    if transformers.__version__ == made_for:
+        assert not missing, missing
 
 
 @pytest.mark.parametrize("arch", causal_lm_architectures())
