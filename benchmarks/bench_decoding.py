@@ -242,6 +242,8 @@ def bound(model, encode, names, prompts_for, batch, repeats):
     """(T_base + T_lora) / T_base: one LoRA-on plain step over one LoRA-off step, bank kernels."""
     from hf_invisiblelora.bank import get_bank
     from hf_invisiblelora.context import PassContext
+    from hf_invisiblelora.drafters import BaseModelDrafter
+    from hf_invisiblelora.state import state_of
 
     rows, enc = workload(encode, names, prompts_for, len(names), batch)
     bank = get_bank(model)
@@ -249,7 +251,7 @@ def bound(model, encode, names, prompts_for, batch, repeats):
     ids = enc.input_ids[:, -1:]
     context = PassContext(lambda: True)  # this script's thread owns the model
     at = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)  # marks a pass (no SharedCache here)
-    draft = object()  # a LoRA-off pass: any drafter
+    draft = BaseModelDrafter(model, state_of(model))  # a LoRA-off pass: the base model's
     t = {"off": [], "on": []}
     with torch.no_grad(), bank.installed(context):
         for rep in range(repeats + 1):

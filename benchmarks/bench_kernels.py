@@ -19,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from common import machine, timed
 from tiny import LINEAR, SMOLLM2_135M, smollm2_shaped
 
 MAX_LORA_GB = 6.0  # PEFT's copy + the bank's; configs above it are skipped (RAM is shared)
-DRAFT = object()  # a pass context's drafter: a LoRA-off pass (the bank's layers add no delta)
+DRAFT = types.SimpleNamespace(key="")  # a pass context's drafter (drafters.Drafter.key): a LoRA-off pass
 
 
 def build(rank, n_adapters):

@@ -20,7 +20,7 @@ from .derived import SourceCheck
 from .lora import BASE, lora_layers
 from .quantized import output_dtype
 from .saved_modules import SavedModules
-from .state import forwards
+from .routing import ALL
 
 
 def _key(rows):
@@ -43,9 +43,9 @@ class PeftSwitch:
     @contextlib.contextmanager
     def installed(self, context):
         self.context = context
-        routed = {m: (lambda x, *args, _m=m, _f=m.forward, **kw: (
-            self._forward(_m, _f, x, *args, **kw) if context.mine() else _f(x, *args, **kw))) for m in self.layers}
-        with forwards(routed), self.saved.installed(context):
+        routed = {m: (ALL, lambda original, x, *args, _m=m, **kw: self._forward(_m, original, x, *args, **kw))
+                  for m in self.layers}
+        with context.router.routing(routed), self.saved.installed(context):
             yield self
 
     def _forward(self, m, original, x, *args, **kwargs):

@@ -35,7 +35,8 @@ from . import kernels
 from .derived import SourceCheck
 from .lora import layer_adapters, named_lora_layers
 from .quantized import rounds_delta
-from .state import forwards, state_of
+from .routing import ALL
+from .state import state_of
 
 # Sibling LoRA layers that read the same input tensor in the architectures we know. Their shrinks
 # become one matmul over the concatenated A (measured on the CPU: one shrink for q/k/v costs
@@ -274,7 +275,6 @@ class AdapterBank:
         self._signature = None
         self.version = 0  # bumped when the stacks are reallocated (a graph holding them must be redone)
         self.context = None  # the pass context of the call it is installed for
-        self._original = {}  # module -> its forward before installed()
         self.round_delta = True  # PEFT's mixed-batch numerics (see the module docstring)
         self._last_meta = None  # last LoRA metadata: its weight cache outlives draft passes
         self._memo_rows, self._memo = None, {}  # metadata per tokens_per_row for the current row_slots
@@ -328,9 +328,10 @@ class AdapterBank:
         transposed = self.ops is kernels.torch_lora
         self.layers = {m: _Stacks(m, names, dtype, transposed, check) for _, m in self.modules if len(m.lora_A)}
         self.groups = self._make_groups(transposed)
-        # One wrapper per layer for the bank's lifetime: compiled graphs guard on the forward they traced.
-        self._forwards = {
-            m: (lambda x, *args, _m=m, _layer=self.layers.get(m), **kwargs: self._forward(_m, _layer, x, *args, **kwargs))
+        # One route per layer for the bank's lifetime (routing.py).
+        self._routes = {
+            m: (lambda original, x, *args, _m=m, _layer=self.layers.get(m), **kwargs:
+                self._forward(_m, _layer, x, *args, **kwargs))
             for _, m in self.modules
         }
         self.version += 1
@@ -488,8 +489,6 @@ class AdapterBank:
 
     def _forward(self, m, layer, x, *args, **kwargs):
         p = self.context
-        if not torch.compiler.is_compiling() and (p is None or not p.mine()):
-            return self._original[m](x, *args, **kwargs)  # another thread's call: the layer as it was
         # PEFT's generate() hooks inject adapter_names into every LoRA layer; under installed()
         # the rows' adapters come from the pass context instead.
         kwargs.pop("adapter_names", None)
@@ -567,9 +566,8 @@ class AdapterBank:
         """Route every LoRA layer's forward through base_layer(x) + bank delta in ``context``'s
         passes (context.py); restore on exit."""
         self.context = context
-        self._original = {m: m.forward for _, m in self.modules}
         try:
-            with forwards({m: self._forwards[m] for _, m in self.modules}):
+            with context.router.routing({m: (ALL, self._routes[m]) for _, m in self.modules}):
                 yield self
         finally:
             self.context = None

@@ -15,12 +15,13 @@ object, forward.py) and read by what the model calls during it, as vLLM's ``set_
               of fixed shape (compiled passes) (adapters.py)
     query     [b, q] the slot of every query token (derived)
 
-Readers: the cache's writes (cache.py), the attention masks (layout.py), the rotary embeddings
+Readers: the cache's writes (cache.py), the attention masks (layout.py), and ``router``
+(routing.py): the one router of the context's passes, through which the rotary embeddings
 (rotary.py), the LoRA layers (bank.py, adapters.py), the modules adapters train whole
-(saved_modules.py) and the drafter's layers (drafters.py). One context per decoder; each reader
-holds it from the call's start. ``mine()``: a pass of this
-context is running on this thread (the model state's owner thread, state.py: the one owner
-check). Our layer routing acts only then: another thread running the model meanwhile, or the
+(saved_modules.py), the prepacked layers (prepack.py) and the drafters' layers (drafters.py) are
+routed. One context per decoder; each reader holds it from the call's start. ``mine()``: a pass
+of this context is running on this thread (the model state's owner thread, state.py: the one
+owner check). The router acts only then: another thread running the model meanwhile, or the
 call's own thread between passes (a user's processor running the model), gets every layer as it is.
 """
 
@@ -31,12 +32,15 @@ import threading
 
 import torch
 
+from .routing import Router
+
 _THREAD = threading.local()  # the pass running on this thread, if any (SDPA's GQA switch reads it: layout.py)
 
 
 class PassContext:
     def __init__(self, owner):
         self.owner = owner  # the model state's owner check (state.ModelState.mine)
+        self.router = Router(self)  # what each module computes in these passes (routing.py)
         self.clear()
 
     def mine(self) -> bool:

@@ -38,7 +38,7 @@ the gate picks one per cycle by its measured draft cost and acceptance (gate.py)
   kernel does not take runs in bfloat16. Layers of a quantized base model (quantized.py) draft as
   they are.
 
-Installed for one call; the forwards act only in its draft passes (the pass context, context.py).
+Installed for one call: its layers' routes (routing.py) act only in its own draft passes.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from torch import nn
 from .derived import DerivedCopies, SourceCheck
 from .lora import adapter_copies, linears
 from .quantized import dense_weight, plain
-from .state import forwards
+from .routing import draft
 
 COUNTS = "token_counts"  # the model state's key: how often each token id was seen
 DTYPES = (torch.bfloat16, torch.float16, torch.int8, torch.int4)  # draft_dtype's choices
@@ -175,7 +175,7 @@ class BaseModelDrafter:
         inner = model.get_base_model()
         self.model, self.state = model, state
         self.vocab, self.dtype = vocab, dtype
-        self.context, self._mask = None, None
+        self._mask = None
         self.head = _base(inner.get_output_embeddings())
         size = size if size is not None else None if vocab is None else len(vocab)
         self.key = "".join([f"/vocab{size}" if vocab is not None else "", f"/{dtype}" if dtype else ""])
@@ -212,28 +212,17 @@ class BaseModelDrafter:
 
     @contextlib.contextmanager
     def installed(self, context, check: SourceCheck | None = None):
-        self.context, self.check = context, check or SourceCheck()
+        self.check = check or SourceCheck()
         routed = {}
         if self.dtype is not None:  # every linear layer, the head too (the restricted head below takes the dtype)
             copies = adapter_copies(self.model)  # adapters' modules_to_save: draft passes run the originals
             for m in linears(self.model):
                 if plain(m.weight) and m not in copies:  # quantized layers draft as they are
-                    routed[m] = self._routed(m, self._low_precision(m))
+                    routed[m] = (draft(self.key), _route(self._low_precision(m)))
         if self.vocab is not None:
-            routed[self.head] = self._routed(self.head, self._restricted(self.head))
-        with forwards(routed):
+            routed[self.head] = (draft(self.key), _route(self._restricted(self.head)))
+        with context.router.routing(routed):  # in this drafter's passes only (routing.py)
             yield self
-
-    def _routed(self, m, draft_forward):
-        original = m.forward
-        p = self.context
-
-        def forward(x, *args, **kwargs):
-            # A compiled pass is built for one pass kind (the drafter's, keyed by it): no owner to check.
-            if p.drafter is self and (torch.compiler.is_compiling() or p.mine()):
-                return draft_forward(x)
-            return original(x, *args, **kwargs)
-        return forward
 
     def _weights(self, m, kind, sources: tuple, make):
         """A derived copy of m's weights (derived.py), kept in the model state while its sources are
@@ -260,6 +249,10 @@ class BaseModelDrafter:
             out[..., vocab] = nn.functional.linear(x.to(dtype), w, b).to(x.dtype)
             return out
         return forward
+
+
+def _route(draft_forward):
+    return lambda original, x, *args, **kwargs: draft_forward(x)
 
 
 def _base(m):

@@ -33,7 +33,7 @@ from .derived import DerivedCopies, SourceCheck
 from .kernels import packed_linear
 from .lora import linears
 from .quantized import plain
-from .state import forwards
+from .routing import ALL
 
 logger = logging.getLogger("hf_invisiblelora")
 
@@ -93,17 +93,16 @@ class PackedLinears:
 
     @contextlib.contextmanager
     def installed(self, context):
-        """Route the layers' forwards to their copies in ``context``'s passes; restore on exit."""
-        routed = {m: self._routed(m, m.forward, packed, context) for m, packed in self.copies.items()}
-        with forwards(routed):
+        """Route the layers to their copies in every one of ``context``'s passes (routing.py; a
+        drafter's own layers take their place in its passes); restore on exit."""
+        with context.router.routing({m: (ALL, self._route(m, packed)) for m, packed in self.copies.items()}):
             yield self
 
     @staticmethod
-    def _routed(m, original, packed, context):
-        def forward(x, *args, **kwargs):
+    def _route(m, packed):
+        def route(original, x, *args, **kwargs):
             # Compiled passes trace the layer as it is (Inductor packs weights its own way).
-            if not args and not kwargs and x.dtype == torch.float32 and not torch.compiler.is_compiling() \
-                    and context.mine():
+            if not args and not kwargs and x.dtype == torch.float32 and not torch.compiler.is_compiling():
                 return packed_linear.linear(x, packed, m.bias)
             return original(x, *args, **kwargs)
-        return forward
+        return route

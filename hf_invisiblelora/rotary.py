@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerationMixin
 
-from .state import forwards
+from .routing import ALL
 
 
 def length_dependent(module) -> bool:
@@ -75,15 +75,14 @@ class StepRotary:
 
     @contextlib.contextmanager
     def installed(self):
-        """Route the modules' forwards through ``_forward`` for this call's thread; on a clean exit
+        """Route the modules through ``_forward`` in this call's passes (routing.py); on a clean exit
         leave them as standard decoding would (see ``finish``), on an exception as they were."""
         start = {m: _snapshot(m) for m in self.modules}
         self.originals = {m: m.forward for m in self.modules}
-        routed = {m: (lambda x, position_ids, *args, _m=m, _f=m.forward, **kw: (
-            self._forward(_m, x, position_ids, *args, **kw) if self.context.mine() else _f(x, position_ids, *args, **kw)))
-            for m in self.modules}
+        routed = {m: (ALL, lambda original, x, position_ids, *args, _m=m, **kw: self._forward(_m, x, position_ids, *args, **kw))
+                  for m in self.modules}
         try:
-            with forwards(routed):
+            with self.context.router.routing(routed):
                 yield self
         except BaseException:
             for m in self.modules:

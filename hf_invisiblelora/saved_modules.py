@@ -27,7 +27,7 @@ from peft.utils.other import ModulesToSaveWrapper
 
 from .context import selected
 from .lora import all_modules
-from .state import forwards
+from .routing import ALL
 
 
 def saves_modules(model) -> bool:
@@ -48,21 +48,19 @@ class SavedModules:
 
     @contextlib.contextmanager
     def installed(self, context):
-        """Route every wrapper's forward as the module docstring says in ``context``'s passes; restore on exit."""
-        with forwards({w: self._routed(w, w.forward, context) for w in self.wrappers}):
+        """Route every wrapper as the module docstring says in ``context``'s passes (routing.py); restore on exit."""
+        with context.router.routing({w: (ALL, self._route(w, context)) for w in self.wrappers}):
             yield self
 
-    def _routed(self, w, original, p):
-        def forward(*args, **kwargs):
-            if not p.mine():  # another thread's call, or between passes: the module as it is
-                return original(*args, **kwargs)
+    def _route(self, w, p):
+        def route(original, *args, **kwargs):
             kwargs.pop("adapter_names", None)  # PEFT's generate() hooks inject it; the rows come from the context
             if p.drafter is not None or w.disable_adapters:
                 return w.original_module(*args, **kwargs)
             if not self.mixed:
                 return original(*args, **kwargs)
             return self._per_row(w, selected(self.names, p.rows), args, kwargs)
-        return forward
+        return route
 
     @staticmethod
     def _per_row(w, names: list, args, kwargs):

@@ -76,7 +76,7 @@ class Session:
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.decoder.lora.installed(context))
             stack.enter_context(self.rotary.installed())
-            if self.packed is not None:  # before the drafters: their layers replace these in their passes
+            if self.packed is not None:  # the drafters' own layers take their place in their passes (routing.py)
                 stack.enter_context(self.packed.installed(context))
             for drafter in self.drafters:
                 stack.enter_context(drafter.installed(context, self.check))

@@ -66,19 +66,3 @@ def state_of(model) -> ModelState:
             state = model.__dict__.setdefault(_ATTR, ModelState())
     return state
 
-
-@contextlib.contextmanager
-def forwards(replacements: dict):
-    """Give each module {module: forward} that instance forward for the duration of the block;
-    put back what was there after, also on errors."""
-    saved = [(m, m.__dict__.get("forward")) for m in replacements]
-    try:
-        for m, forward in replacements.items():
-            m.forward = forward
-        yield
-    finally:
-        for m, previous in saved:
-            if previous is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.forward = previous

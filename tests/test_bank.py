@@ -1,6 +1,7 @@
 """Adapter bank: whole-model logits through bank + kernels equal PEFT's mixed-batch forward."""
 
 import contextlib
+import types
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ def peft_logits(pm, ids, names):
         return pm(ids, adapter_names=names).logits
 
 
-DRAFT = object()  # a drafter: its passes have LoRA off
+DRAFT = types.SimpleNamespace(key="")  # a drafter (its key: drafters.Drafter.key): its passes have LoRA off
 
 
 @contextlib.contextmanager

@@ -14,8 +14,10 @@ import torch
 from hf_invisiblelora import bank as bank_module
 from hf_invisiblelora.bank import get_bank
 from hf_invisiblelora.context import PassContext
+from hf_invisiblelora.drafters import BaseModelDrafter
 from hf_invisiblelora.engine import Engine, Request
 from hf_invisiblelora.lora import BASE
+from hf_invisiblelora.state import state_of
 from tiny import ARCHS, PAD, prompts, tiny_peft, with_adapters
 
 DORA = {
@@ -106,7 +108,7 @@ def bank_logits(model, ids, names, mixed=True, draft=False):
     with torch.no_grad(), bank.installed(context):
         bank.begin_pass()
         with context.running(torch.zeros(len(ids), dtype=torch.long), 1, 1, adapters=bank.slots(names),
-                             drafter=object() if draft else None):
+                             drafter=BaseModelDrafter(model, state_of(model)) if draft else None):
             return model(ids).logits
 
 
