@@ -84,8 +84,8 @@ class BankSwitch:
 
     @contextlib.contextmanager
     def installed(self, context):
-        self.bank.round_delta = self.mixed  # PEFT's numerics: mixed batch, or one active adapter
-        with self.bank.installed(context), self.saved.installed(context):
+        # PEFT's numerics: mixed batch, or one active adapter
+        with self.bank.installed(context, round_delta=self.mixed), self.saved.installed(context):
             yield self
 
     def set_rows(self, adapter_names: list) -> None:

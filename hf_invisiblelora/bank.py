@@ -1,5 +1,6 @@
 """The adapter bank: every adapter's LoRA weights stacked per layer in fixed slots, and the
-per-forward metadata that lets one batched op per layer replace PEFT's loop over adapters.
+per-forward metadata that lets one batched op per layer replace PEFT's loop over adapters (what a
+layer computes from them is lora_forward.py).
 
     bank = get_bank(peft_model)                      # built once, re-synced per call
     with bank.installed(context):                    # the decoder's pass context (context.py)
@@ -27,11 +28,9 @@ import weakref
 from typing import NamedTuple
 
 import torch
-from peft.tuners.lora.layer import Embedding as LoraEmbedding
 from peft.utils.integrations import dequantize_module_weight
-from torch import nn
 
-from . import kernels
+from . import kernels, lora_forward
 from .derived import SourceCheck
 from .lora import layer_adapters, named_lora_layers
 from .quantized import rounds_delta
@@ -42,12 +41,6 @@ from .state import state_of
 # become one matmul over the concatenated A (measured on the CPU: one shrink for q/k/v costs
 # 40-45% of three separate ones). Only used when the siblings really get the same tensor.
 SHARED_INPUT = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})
-
-# The packed path (AdapterBank._packed_delta) multiplies every token by every active adapter: it
-# is used while tokens x (active adapters - 1), the wasted rows, stay under this. Measured on
-# SmolLM2 with its zoo (2 CPU threads): faster than the gathered path everywhere below it, even at
-# 512 prefill tokens on 12 adapters (a tie there).
-PACKED_WASTE = 4096
 
 
 def _laid_out(t: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -182,7 +175,7 @@ class _Stacks:
             if a in ranks:
                 self.write(slot, a, check)
 
-    def _pack(self, slots) -> "_Packed":
+    def pack(self, slots) -> "_Packed":
         # One copy each, straight into the layout the matmuls read (a serving engine repacks whenever
         # its set of adapters changes). A grouped layer's A is packed by its group.
         ranks = [self.ranks[s] for s in slots]
@@ -245,9 +238,9 @@ class _Group:
     def layers(self) -> list:
         return [ref() for ref in self._layers]
 
-    def _pack(self, slots) -> "_Packed":
+    def pack(self, slots) -> "_Packed":
         layers = self.layers
-        parts = [layer.packs.get(slots, layer._pack) for layer in layers]
+        parts = [layer.packs.get(slots, layer.pack) for layer in layers]
         A = torch.cat([layer.A[s, :r].T for layer, p in zip(layers, parts) for s, r in zip(slots, p.key)], dim=1)
         widths = [len(p.col_slot) for p in parts]
         columns = {id(layer): slice(end - w, end) for layer, w, end in zip(layers, widths, itertools.accumulate(widths))}
@@ -331,7 +324,7 @@ class AdapterBank:
         # One route per layer for the bank's lifetime (routing.py).
         self._routes = {
             m: (lambda original, x, *args, _m=m, _layer=self.layers.get(m), **kwargs:
-                self._forward(_m, _layer, x, *args, **kwargs))
+                lora_forward.forward(self, _m, _layer, x, *args, **kwargs))
             for _, m in self.modules
         }
         self.version += 1
@@ -353,23 +346,6 @@ class AdapterBank:
                 siblings.setdefault((parent, kind, m.in_features), []).append(self.layers[m])
         return [_Group(layers, transposed) for layers in siblings.values() if len(layers) > 1]
 
-    def _shared(self, group, x, meta, compute):
-        """The group's shrink for input ``x``: computed by its first layer, reused by its siblings."""
-        # Under torch.compile the graph is traced once with fixed inputs; tensor versions are not
-        # traceable, and inference tensors have none.
-        version = None if torch.compiler.is_compiling() or x.is_inference() else x._version
-        if not (group.x is x and group.version == version and group.meta is meta):
-            group.x, group.version, group.meta = x, version, meta
-            group.y = compute()
-        return group.y
-
-    def _shrink(self, layer, x, x2, meta):
-        group = layer.group
-        if group is None:
-            return self.ops.lora_shrink(x2, layer.A, meta)
-        y = self._shared(group, x, meta, lambda: self.ops.lora_shrink(x2, group.A, meta))
-        return y[..., layer.cols[0] : layer.cols[1]]
-
     @torch.no_grad()
     def fix(self, slots: tuple, adapters: int, rank: int) -> None:
         """Packs of the active ``slots`` for passes with static metadata (compiled passes): each
@@ -381,10 +357,10 @@ class AdapterBank:
             return -(-max(1, most) // 8) * 8
 
         for layer in self.layers.values():
-            p = layer.packs.get(slots, layer._pack)
+            p = layer.packs.get(slots, layer.pack)
             layer.fixed = _Packed(*_padded(p.A, p.B, p.col_slot, width(layer), layer.fixed), p.key)
         for group in self.groups:  # the layers' A side by side, each padded as the layer's own pack
-            p, parts, start, layers = group.packs.get(slots, group._pack), [], 0, group.layers
+            p, parts, start, layers = group.packs.get(slots, group.pack), [], 0, group.layers
             for layer in layers:
                 cols, n = p.columns[id(layer)], len(layer.fixed.col_slot)
                 parts.append(torch.nn.functional.pad(p.A[:, cols], (0, n - (cols.stop - cols.start))))
@@ -395,50 +371,9 @@ class AdapterBank:
             col_slot = _fixed(group.fixed and group.fixed.col_slot, col_slot)
             group.fixed = _Packed(A, None, col_slot, p.key)
 
-    def _packed_delta(self, layer, x, x2, out, meta) -> None:
-        """out += each token's LoRA delta from the active slots' packed weights (see _Packed):
-        y = (x @ A) masked to the columns of the token's own slot; out += y @ B. Three ops per layer
-        whatever the number of adapters, and each active adapter's weights read once at its rank.
-        Its arithmetic grows with tokens x active ranks: for the few tokens of decode steps.
-        Static metadata (a compiled pass): the fixed packs of ``fix``."""
-        group = layer.group
-        if meta.static:
-            own, packed = layer.fixed, group and group.fixed
-            columns = own.columns
-        else:
-            slots = meta.active_slots
-            own, packed = layer.packs.get(slots, layer._pack), group and group.packs.get(slots, group._pack)
-            columns = packed and packed.columns[id(layer)]
-        B = own.B
-        if group is None:
-            y = self._packed_shrink(x2, own, meta)
-        else:
-            y = self._shared(group, x, meta, lambda: self._packed_shrink(x2, packed, meta))[:, columns]
-        if self.round_delta or layer.rounds or out.dtype == B.dtype:
-            out.addmm_(y, B) if out.dtype == B.dtype else out.add_((y @ B).to(out.dtype))
-        else:  # PEFT's one-adapter numerics: the sum in the adapter's dtype (rows without LoRA add an exact 0)
-            out.copy_((out.to(B.dtype) + y @ B).to(out.dtype))
-
-    @staticmethod
-    def _packed_shrink(x, packed, meta):
-        """x @ packed.A, each token's row zero outside its own slot's columns. Set to zero, not
-        multiplied by a 0/1 mask: a token's product with another slot's A may overflow to Inf (or
-        be NaN), and Inf * 0 is NaN; zeros then add exact zeros through the finite B of the other
-        slots (the bank refuses slots that are not finite), so a row never computes with another
-        row's adapter values."""
-        y = x @ packed.A
-        if meta.static:  # computed in the graph: its inputs are updated in place between calls
-            return torch.where(meta.token_slots[:, None] == packed.col_slot, y, 0)
-        if len(meta.active_slots) == 1 and meta.lora_range == (0, y.shape[0]):
-            return y  # every token on the one active slot
-        foreign = meta.masks.get(packed.key)
-        if foreign is None:
-            foreign = meta.masks[packed.key] = meta.token_slots[:, None] != packed.col_slot
-        return y.masked_fill_(foreign, 0)
-
     def check_finite(self, adapters) -> None:
         """A ValueError if one of ``adapters`` has a value that is not finite (NaN or Inf) in its
-        stacks: its rows' outputs would be undefined (other rows' never are: _packed_shrink)."""
+        stacks: its rows' outputs would be undefined (other rows' never are: lora_forward.packed_shrink)."""
         for layer in self.layers.values():
             for slot in layer.nonfinite:
                 if self.adapter_names[slot] in adapters:
@@ -461,7 +396,7 @@ class AdapterBank:
         for group in self.groups:
             group.clear()
 
-    def _meta_for(self, adapters, tokens: int):
+    def meta_for(self, adapters, tokens: int):
         """Metadata for a layer input of ``tokens`` tokens (rows x tokens per row: the lm_head sees
         fewer per row than the other layers). ``adapters``: the pass context's: the rows' slots
         [B] (metadata built once per slot tensor and width: a decoding loop alternates a few
@@ -487,85 +422,13 @@ class AdapterBank:
         """[B * tokens_per_row] slot of each token of a [B, tokens_per_row] input."""
         return torch.as_tensor(row_slots, device=self.device).repeat_interleave(tokens_per_row)
 
-    def _forward(self, m, layer, x, *args, **kwargs):
-        p = self.context
-        # PEFT's generate() hooks inject adapter_names into every LoRA layer; under installed()
-        # the rows' adapters come from the pass context instead.
-        kwargs.pop("adapter_names", None)
-        base = m.base_layer
-        if args or kwargs or type(base) is not nn.Linear or base.__dict__.get("forward") or base._forward_hooks \
-                or base._forward_pre_hooks:
-            out = base(x, *args, **kwargs)
-        else:  # a plain Linear: skip the module call (about 210 of these per step); a torchao weight computes F.linear
-            out = nn.functional.linear(x, base.weight, base.bias)
-        embedding = isinstance(m, LoraEmbedding)  # its input is token ids
-        if layer is None and not embedding or p.drafter is not None or p.adapters is None or m.disable_adapters:
-            return out  # no LoRA here: no adapter in this layer, a draft pass, or PEFT's adapters disabled
-        # Tokens in row order: row b's tokens are consecutive.
-        x2 = x.reshape(-1) if embedding else x.reshape(-1, x.shape[-1])
-        meta = self._meta_for(p.adapters, x2.shape[0])
-        if meta is None or meta.no_lora:
-            return out
-        flat = out.view(-1, out.shape[-1])
-        if embedding:
-            self._embedding_delta(m, x2, flat, meta)
-            return out
-        x2 = x2 if x2.dtype == self.dtype else x2.to(self.dtype)
-        dora = bool(layer.dora) and (meta.static or not layer.dora.isdisjoint(meta.active_slots))
-        # DoRA scales the base output too: the delta apart first, in the adapters' dtype.
-        delta = torch.zeros(flat.shape, dtype=self.dtype, device=flat.device) if dora else flat
-        if self.ops is kernels.torch_lora and \
-                (meta.static or x2.shape[0] * (len(meta.active_slots) - 1) <= PACKED_WASTE):
-            self._packed_delta(layer, x, x2, delta, meta)
-        else:
-            y = self._shrink(layer, x, x2, meta)
-            self.ops.lora_expand(delta, y, layer.B, meta, round_delta=self.round_delta or layer.rounds)
-        if dora:
-            self._dora(layer, flat, delta, meta)
-        return out
-
-    def _dora(self, layer, out, delta, meta) -> None:
-        """``out`` (the base output, [T, out]) becomes PEFT's DoRA result for each token on a DoRA slot:
-        out + ((scale - 1) * (out - bias) + scale * delta), the sum in the adapters' dtype rounded once,
-        with adapter_names or without; out + delta for the others (their scale is 1), rounded as the
-        bank adds a delta (the module docstring)."""
-        bias = layer.module.get_base_layer().bias
-        scale = layer.scale[meta.token_slots]  # slot -1 (no LoRA) reads the last row: ones
-        base = out if bias is None else out - bias  # in the output's dtype, as PEFT subtracts it
-        result = out + ((scale - 1) * base + scale * delta)
-        if self.round_delta and out.dtype != delta.dtype:  # the plain-LoRA tokens: the delta rounded first
-            result = torch.where(layer.is_dora[meta.token_slots][:, None], result, out + delta.to(out.dtype))
-        out.copy_(result)
-
-    def _embedding_delta(self, m, ids, out, meta) -> None:
-        """out [T, dim] += each token's embedding LoRA term, as PEFT's Embedding computes it in a mixed
-        batch: per adapter, its tokens' ids embedded in A.T, @ B.T, * scaling, * the base layer's embed
-        scale, added in place. Static metadata (compiled passes): every slot over all tokens, zero off
-        its own."""
-        embed_scale = m._get_embed_scale()
-        if meta.static:
-            parts = [(s, None) for s in range(len(self.adapter_names))]
-        else:
-            parts = zip(meta.active_slots, [0] + meta.bounds[:-1], meta.bounds)
-            parts = [(s, meta.sorted_tokens[lo:hi]) for s, lo, hi in parts]
-        for s, tokens in parts:
-            a = self.adapter_names[s]
-            if a not in m.lora_embedding_A:
-                continue
-            after_A = m._embed(ids if tokens is None else ids[tokens], m.lora_embedding_A[a].T)
-            term = (after_A @ m.lora_embedding_B[a].T) * m.scaling[a]
-            if embed_scale is not None:
-                term = term * embed_scale.to(term.dtype)
-            if tokens is None:
-                out += torch.where((meta.token_slots == s)[:, None], term, 0)
-            else:
-                out[tokens] += term
-
     @contextlib.contextmanager
-    def installed(self, context):
-        """Route every LoRA layer's forward through base_layer(x) + bank delta in ``context``'s
-        passes (context.py); restore on exit."""
-        self.context = context
+    def installed(self, context, round_delta: bool = True):
+        """Route every LoRA layer's forward through lora_forward.forward (base_layer(x) + the delta
+        from these stacks) in ``context``'s passes (context.py); restore on exit. ``round_delta``:
+        PEFT's mixed-batch numerics (adapter_names=), else its one-adapter numerics (the module
+        docstring)."""
+        self.context, self.round_delta = context, round_delta
         try:
             with context.router.routing({m: (ALL, self._routes[m]) for _, m in self.modules}):
                 yield self

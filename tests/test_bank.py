@@ -7,7 +7,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from hf_invisiblelora import bank as bank_module
+from hf_invisiblelora import lora_forward
 from hf_invisiblelora.bank import get_bank
 from hf_invisiblelora.checks import check_model
 from hf_invisiblelora.context import PassContext
@@ -26,7 +26,7 @@ ADAPTERS = {
 @pytest.fixture(autouse=True, params=["packed", "gathered"])
 def path(request, monkeypatch):
     """Every test on both torch paths: the packed one (decode steps) and the gathered one (prefills)."""
-    monkeypatch.setattr(bank_module, "PACKED_WASTE", 10**9 if request.param == "packed" else -1)
+    monkeypatch.setattr(lora_forward, "PACKED_WASTE", 10**9 if request.param == "packed" else -1)
     return request.param
 
 
@@ -96,13 +96,13 @@ def test_cache_survives_draft_passes_and_batches_change():
         slots = bank.slots(["math", "code"])
         with one_pass(context, bank, slots, 2):
             pm(ids)
-        first = bank._meta_for(slots, 2)
+        first = bank.meta_for(slots, 2)
         with one_pass(context, bank, None, 2):  # a draft pass
             pm(ids)
         with one_pass(context, bank, bank.slots(["__base__", "__base__"]), 2):
             pm(ids)
         slots = bank.slots(["code", "math"])
-        assert bank._meta_for(slots, 2).cache is first.cache
+        assert bank.meta_for(slots, 2).cache is first.cache
         with one_pass(context, bank, slots, 2):
             logits = pm(ids).logits
         assert_same(logits, peft_logits(pm, ids, ["code", "math"]))  # outside a pass: PEFT's own layers
@@ -182,7 +182,7 @@ def test_siblings_share_one_shrink_only_for_the_same_input(monkeypatch, path):
     pm = build(adapters={"chat": ADAPTERS["chat"], "code": ADAPTERS["code"]})  # chat: all 7 modules
     bank = get_bank(pm)
     shrinks = []
-    owner, name = (bank.ops, "lora_shrink") if path == "gathered" else (bank, "_packed_shrink")
+    owner, name = (bank.ops, "lora_shrink") if path == "gathered" else (lora_forward, "packed_shrink")
     real = getattr(owner, name)
     monkeypatch.setattr(owner, name, lambda *a, **k: shrinks.append(1) or real(*a, **k))
     names = ["code", "chat"]

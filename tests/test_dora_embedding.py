@@ -11,7 +11,7 @@ import contextlib
 import pytest
 import torch
 
-from hf_invisiblelora import bank as bank_module
+from hf_invisiblelora import lora_forward
 from hf_invisiblelora.bank import get_bank
 from hf_invisiblelora.context import PassContext
 from hf_invisiblelora.drafters import BaseModelDrafter
@@ -98,14 +98,13 @@ def assert_rows_equal(batch, rows):
 @pytest.fixture(params=["packed", "gathered"])
 def path(request, monkeypatch):
     """Both torch paths: the packed one (decode steps) and the gathered one (prefills)."""
-    monkeypatch.setattr(bank_module, "PACKED_WASTE", 10**9 if request.param == "packed" else -1)
+    monkeypatch.setattr(lora_forward, "PACKED_WASTE", 10**9 if request.param == "packed" else -1)
 
 
 def bank_logits(model, ids, names, mixed=True, draft=False):
     bank = get_bank(model)
-    bank.round_delta = mixed
     context = PassContext(lambda: True)
-    with torch.no_grad(), bank.installed(context):
+    with torch.no_grad(), bank.installed(context, round_delta=mixed):
         bank.begin_pass()
         with context.running(torch.zeros(len(ids), dtype=torch.long), 1, 1, adapters=bank.slots(names),
                              drafter=BaseModelDrafter(model, state_of(model)) if draft else None):
@@ -159,9 +158,8 @@ def test_bfloat16_model_with_float32_adapters(path):
                                  for row, name in enumerate(names)])
     bank = get_bank(model)
     for mixed, ref in ((False, one), (True, mixed_ref)):
-        bank.round_delta = mixed
         context = PassContext(lambda: True)
-        with torch.no_grad(), bank.installed(context):
+        with torch.no_grad(), bank.installed(context, round_delta=mixed):
             bank.begin_pass()
             with context.running(torch.zeros(len(names), dtype=torch.long), 1, 1, adapters=bank.slots(names)):
                 assert_same_rounding(q(x), ref)

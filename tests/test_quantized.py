@@ -12,7 +12,7 @@ from peft.tuners.lora.torchao import TorchaoLoraLinear
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_invisiblelora  # noqa: F401  (generate(..., invisible_lora=True))
-from hf_invisiblelora import bank as bank_module
+from hf_invisiblelora import lora_forward
 from hf_invisiblelora.bank import get_bank
 from hf_invisiblelora.context import PassContext
 from hf_invisiblelora.lora import lora_layers
@@ -175,7 +175,7 @@ def test_layer_adds_the_lora_term_as_peft(saved, kind, mixed, waste, monkeypatch
     on a bfloat16 model) rounded before it is added or not, as PEFT's layer type does with and
     without adapter_names. The adapters' values make their terms exact in float32 in any order, so
     only that rounding could differ."""
-    monkeypatch.setattr(bank_module, "PACKED_WASTE", waste)
+    monkeypatch.setattr(lora_forward, "PACKED_WASTE", waste)
     model = quantized(saved, kind, torch.bfloat16)
     m = model.get_base_model().model.layers[0].self_attn.v_proj  # adapters s, b, d
     g = torch.Generator().manual_seed(0)
@@ -188,12 +188,11 @@ def test_layer_adds_the_lora_term_as_peft(saved, kind, mixed, waste, monkeypatch
     model.set_adapter("b")
     x = (torch.randint(-64, 65, (len(names), 3, m.in_features), generator=g) / 64).bfloat16()
     bank = get_bank(model)
-    bank.round_delta = mixed  # as the LoRA switch sets it
     context = PassContext(lambda: True)
     with torch.no_grad():
         expected = m(x, adapter_names=names) if mixed else m(x)
-        with bank.installed(context), context.running(torch.zeros(len(names), dtype=torch.long), 1, 1,
-                                                      adapters=bank.slots(names)):
+        with bank.installed(context, round_delta=mixed), \
+                context.running(torch.zeros(len(names), dtype=torch.long), 1, 1, adapters=bank.slots(names)):
             ours = m(x)
     assert torch.equal(ours, expected)
 

@@ -27,7 +27,7 @@ from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora import adapter_pool
-from hf_invisiblelora import bank as bank_module
+from hf_invisiblelora import lora_forward
 from hf_invisiblelora.adapter_files import OutsideRoots, Unreadable
 from hf_invisiblelora.engine import AdapterUnsupported, Engine, InvalidRequest, Request
 from tiny import prompts, tiny_peft
@@ -49,7 +49,7 @@ def overflowing(model, name="big"):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("gate", ["never", "always"])
 def test_an_overflowing_adapter_leaves_other_rows_as_stock(monkeypatch, path, dtype, gate):
-    monkeypatch.setattr(bank_module, "PACKED_WASTE", 10**9 if path == "packed" else -1)
+    monkeypatch.setattr(lora_forward, "PACKED_WASTE", 10**9 if path == "packed" else -1)
     adapters = {"s": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
                 "big": dict(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                "up_proj", "down_proj"]),
