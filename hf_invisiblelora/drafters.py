@@ -154,6 +154,20 @@ def check_vocabulary(ids, inner) -> torch.Tensor:
     return t.long().cpu().unique()
 
 
+def fixed_vocabulary(draft_vocab, state, inner, vocab_size: int) -> tuple[torch.Tensor | None, int | None]:
+    """A draft vocabulary fixed for a serving engine's life, and the size asked for (the drafter's
+    ``size``): token ids as given (checked), or the ``draft_vocab`` most frequent tokens earlier
+    generate(invisible_lora=True) calls on the model have seen; (None, None) for none."""
+    if draft_vocab is None or isinstance(draft_vocab, (list, tuple, torch.Tensor)):
+        return (None if draft_vocab is None else check_vocabulary(draft_vocab, inner)), None
+    check_vocabulary_option(draft_vocab)
+    ids = vocabulary(state, draft_vocab, torch.zeros(0, dtype=torch.long), vocab_size)
+    if not len(ids):
+        raise ValueError(f"draft_vocab={draft_vocab} takes the tokens earlier generate(invisible_lora=True) calls on "
+                         "this model have seen, and there were none; pass a list of token ids.")
+    return ids, draft_vocab
+
+
 class Drafter(Protocol):
     key: str
 

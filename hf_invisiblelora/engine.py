@@ -45,39 +45,20 @@ import torch
 
 from .adapter_files import MAX_RANK
 from .adapter_pool import (
-    AdapterBusy,
-    AdapterExists,
-    AdapterPool,
-    AdapterUnsupported,
-    LastAdapter,
-    UnknownAdapter,
-    check_name,
+    AdapterBusy, AdapterExists, AdapterPool, AdapterUnsupported, LastAdapter, UnknownAdapter, check_name,
     return_freed_memory,
 )
 from .checks import check_adapter_state, check_model, check_options
 from .decoding import Decoder
-from .drafters import (
-    BaseModelDrafter,
-    check_dtype as check_draft_dtype,
-    check_vocabulary,
-    check_vocabulary_option,
-    vocabulary as drafter_vocabulary,
-)
+from .drafters import BaseModelDrafter, check_dtype as check_draft_dtype, fixed_vocabulary
+from .layout import prompt_positions
 from .lora import BASE
 from .policies import RequestPolicy
 from .prepack import check_mode as check_prepack
-from .request import (
-    MAX_LOGPROBS,
-    MAX_STOP_TOKEN_IDS,
-    Handle,
-    InvalidRequest,
-    PromptTooLong,
-    Request,
-    Status,
-    validate,
-)
+from .request import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, Handle, InvalidRequest, PromptTooLong, Request, Status, validate
 from .rotary import length_dependent
-from .scheduling import pick, prefill_groups
+from .rows import Rows
+from .scheduling import left_padded, pick, prefill_groups
 from .session import Session, lora_backend
 from .state import state_of
 from .threads import release_openmp_threads
@@ -138,17 +119,8 @@ class Engine:
         self.max_queue = max_queue
         self.vocab_size = inner.get_input_embeddings().weight.shape[0]  # also under a LoRA or modules_to_save wrapper
         self.state = state_of(model)
-        if isinstance(draft_vocab, (list, tuple, torch.Tensor)):
-            draft_vocab = check_vocabulary(draft_vocab, inner)
-        elif draft_vocab is not None:
-            check_vocabulary_option(draft_vocab)
-            size, draft_vocab = draft_vocab, drafter_vocabulary(self.state, draft_vocab, torch.zeros(0, dtype=torch.long),
-                                                                self.vocab_size)
-            if not len(draft_vocab):
-                raise ValueError(f"draft_vocab={size} takes the tokens earlier generate(invisible_lora=True) calls on "
-                                 "this model have seen, and there were none; pass a list of token ids.")
-            draft_vocab = (draft_vocab, size)
-        self.draft_vocab, self.draft_dtypes = draft_vocab, check_draft_dtype(draft_dtype, inner.device)
+        self.draft_vocab = fixed_vocabulary(draft_vocab, self.state, inner, self.vocab_size)  # (ids or None, size)
+        self.draft_dtypes = check_draft_dtype(draft_dtype, inner.device)
         self.prepack = prepack
         self.error = None  # what stopped the engine's thread, if it failed
         limit = getattr(inner.config.get_text_config(decoder=True), "max_position_embeddings", None)
@@ -160,7 +132,6 @@ class Engine:
         self._waiting = collections.deque()
         self._commands = queue.Queue()
         self._wake = threading.Condition()
-        self._in_row = [None] * max_batch  # the request (Handle) in each row
         self._cancelled = set()
         self._thread = None
         self._decoder = None  # the engine thread's Decoder while it runs (read by tests)
@@ -173,6 +144,7 @@ class Engine:
         self._pool = AdapterPool(model, self.max_cpu_loras, adapter_paths, _bound("max_lora_rank", max_lora_rank))
         self._adapters = list(self._pool.paths)
         self._policy = RequestPolicy(max_batch, inner.device)
+        self._rows = Rows(max_batch, self._policy, self._pool, self._count, self.max_len - num_draft_tokens - 1)
         self.metrics = dict(cycles=0, tokens=0, k_hist=collections.Counter(),
                             drafted=collections.Counter(), accepted=collections.Counter(), requests=0,
                             failed_cycles=0, failed_requests=0, loaded_adapters=len(model.peft_config))
@@ -229,6 +201,11 @@ class Engine:
             return {**{k: dict(v) if isinstance(v, dict) else v for k, v in self.metrics.items()},
                     "loads": self._pool.loads, "evictions": self._pool.evictions}
 
+    def _count(self, **added) -> None:
+        with self._state_lock:
+            for name, n in added.items():
+                self.metrics[name] += n
+
     def queue_length(self) -> int:
         return len(self._waiting)
 
@@ -237,11 +214,10 @@ class Engine:
         order of first use, the base model's rows left out: what a router reads for adapter affinity."""
         with self._wake:
             waiting = [h.request.adapter for h in self._waiting]
-        running = [h.request.adapter for h in list(self._in_row) if h is not None]
-        return [list(dict.fromkeys(a for a in names if a != BASE)) for names in (running, waiting)]
+        return [list(dict.fromkeys(a for a in names if a != BASE)) for names in (self._rows.adapters(), waiting)]
 
     def running(self) -> int:
-        return sum(h is not None for h in self._in_row)
+        return len(self._rows.taken())
 
     def load_adapter(self, name: str, path: str, timeout: float = 600, roots=None) -> None:
         """Load a PEFT adapter between cycles (adapter_pool.py: its folder read inside ``roots``, the
@@ -270,7 +246,7 @@ class Engine:
                     raise UnknownAdapter(f"No adapter named {name!r} is served; served: {list(self._pool.paths)}.")
                 if self._pool.loaded(name) and len(self.model.peft_config) == 1:
                     raise LastAdapter(f"{name!r} is the last adapter loaded; a PEFT model keeps at least one.")
-                busy = [h for h in list(self._waiting) + self._in_row if h is not None and h.request.adapter == name]
+                busy = [a for a in [h.request.adapter for h in self._waiting] + self._rows.adapters() if a == name]
                 if busy:
                     raise AdapterBusy(f"Adapter {name!r} is in use by {len(busy)} request(s); unload it when they "
                                        "are done.")
@@ -313,9 +289,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         with self._wake:
-            for h in list(self._waiting) + self._in_row:
-                if h is not None:
-                    h._finish("cancelled")
+            for h in list(self._waiting) + [h for _, h in self._rows.taken()]:
+                h._finish("cancelled")
             self._waiting.clear()
         self._fail_commands(NotRunning("The engine stopped before running the command."))
 
@@ -329,7 +304,7 @@ class Engine:
 
     def _session(self) -> Session:
         """The decoder's assembly (session.py): every row its own request (RequestPolicy) and adapter."""
-        vocab, size = self.draft_vocab if isinstance(self.draft_vocab, tuple) else (self.draft_vocab, None)
+        vocab, size = self.draft_vocab
         drafters = [BaseModelDrafter(self.model, self.state, vocab, d, size=size) for d in self.draft_dtypes]
         return Session(self.model, self.state, self._policy, capacity=self.max_batch, width=self.max_len, mixed=True,
                        lora_backend=lora_backend(self.model, self.model.peft_config), gate=self.gate_mode,
@@ -353,9 +328,8 @@ class Engine:
             self.error = f"{type(e).__name__}: {e}"
             with self._wake:
                 self._running = False
-                for h in list(self._waiting) + self._in_row:
-                    if h is not None:
-                        h._finish("error", self.error)
+                for h in list(self._waiting) + [h for _, h in self._rows.taken()]:
+                    h._finish("error", self.error)
                 self._waiting.clear()
             self._fail_commands(NotRunning(f"The engine failed: {self.error}"))
 
@@ -368,7 +342,9 @@ class Engine:
                     self._wake.wait()
             if not self._commands.empty() or not self._running:
                 return None
-            self._drop_cancelled(decoder)
+            with self._wake:
+                cancelled, self._cancelled = self._cancelled, set()
+            self._rows.drop(decoder, cancelled)
             needed = self._admit(decoder)
             if needed is not None:
                 return needed
@@ -379,7 +355,7 @@ class Engine:
 
     def _cycle(self, decoder: Decoder) -> None:
         """One decoder cycle over the active rows, then delivery. If it raises, the requests in it
-        end with "error" and the engine serves on (``_fail``)."""
+        end with "error" and the engine serves on (``Rows.fail``)."""
         try:
             before = list(zip(decoder.drafted, decoder.accepted))
             kept = decoder.cycle()
@@ -387,17 +363,15 @@ class Engine:
                 m = self.metrics
                 m["cycles"] += 1
                 m["k_hist"][decoder.k] += 1
-                for r, (d, a) in enumerate(before):  # drafted / accepted per adapter, as they happen
-                    if self._in_row[r] is not None:
-                        m["drafted"][self._in_row[r].request.adapter] += decoder.drafted[r] - d
-                        m["accepted"][self._in_row[r].request.adapter] += decoder.accepted[r] - a
+                for r, h in self._rows.taken():  # drafted / accepted per adapter, as they happen
+                    m["drafted"][h.request.adapter] += decoder.drafted[r] - before[r][0]
+                    m["accepted"][h.request.adapter] += decoder.accepted[r] - before[r][1]
         except Exception as e:  # noqa: BLE001 - every row of the cycle is involved; the engine serves on
             # Rows waiting for their prompt's chunks were not in it: a cycle writes their slots only
             # from their last prompt slot on, which their last chunk writes again.
-            self._fail(decoder, [(r, h) for r, h in enumerate(self._in_row) if h is not None and not decoder.waiting[r]],
-                       "decoding", e)
+            self._rows.fail(decoder, [(r, h) for r, h in self._rows.taken() if not decoder.waiting[r]], "decoding", e)
             return
-        self._deliver(decoder, kept)
+        self._rows.deliver(decoder, kept)
 
     def _run_commands(self) -> bool:
         """Run the queued adapter changes; True if one took effect (a refused or failed one changes nothing)."""
@@ -422,7 +396,7 @@ class Engine:
 
     def _fit(self, loaded: str, idle: bool) -> None:
         """After loading ``loaded``: evict one adapter if that makes one more than max_cpu_loras (AdapterPool.fit)."""
-        self._pool.fit(loaded, {h.request.adapter for h in self._in_row if h is not None},
+        self._pool.fit(loaded, set(self._rows.adapters()),
                        {h.request.adapter for h in self._waiting}, idle)
 
     def _reload(self, name: str | None) -> bool:
@@ -441,8 +415,7 @@ class Engine:
                 for h in failed:
                     self._waiting.remove(h)
                     h._finish("error", f"loading adapter {name!r} failed: {type(e).__name__}: {e}")
-            with self._state_lock:
-                self.metrics["failed_requests"] += len(failed)
+            self._count(failed_requests=len(failed))
             return self._pool.loaded(name)
         finally:
             self._publish_adapters()
@@ -451,15 +424,11 @@ class Engine:
     def _admit(self, decoder: Decoder) -> str | None:
         """Waiting requests take the free rows (scheduling.pick), in prefill groups that fit; returns the
         evicted adapter to load before the first waiting request can join, or None."""
-        free = [r for r, h in enumerate(self._in_row) if h is None]
+        free = self._rows.free()
         if not free:
             return None
-        left = {}  # the batch's adapters -> the most tokens one of their rows has left
-        for r, h in enumerate(self._in_row):
-            if h is not None and h.request.adapter != BASE:
-                left[h.request.adapter] = max(left.get(h.request.adapter, 0), decoder.remaining(r))
         with self._wake:
-            picked, needed = pick(self._waiting, left, len(free), self.max_loras, self._pool)
+            picked, needed = pick(self._waiting, self._rows.most_left(decoder), len(free), self.max_loras, self._pool)
             for h in picked:
                 self._waiting.remove(h)
         joining = list(zip(free, picked))
@@ -468,7 +437,7 @@ class Engine:
         try:
             groups = prefill_groups(joining, self.max_len - self.num_draft_tokens - 1)
         except Exception as e:  # noqa: BLE001 - the joining requests are involved
-            self._fail(decoder, joining, "admission", e)
+            self._rows.fail(decoder, joining, "admission", e)
             return needed
         for group in groups:
             self._prefill(decoder, group)
@@ -478,46 +447,34 @@ class Engine:
         """A group's prefill (Decoder.admit): in one pass, then delivery of their first tokens; or, when
         its prompt tokens are more than ``prefill_chunk``, its rows loaded and queued for their chunks
         (``_next_chunk``). If it raises, the group's requests end with "error" and the engine serves
-        on (``_fail``)."""
-        for r, h in group:
-            self._in_row[r] = h
-            h.status, h.row = Status.PREFILLING, r
-            self._pool.touch(h.request.adapter)
-        with self._state_lock:
-            self.metrics["requests"] += len(group)
+        on (``Rows.fail``)."""
+        self._rows.take(group)
         try:
-            device = self.inner.device
-            width = max(len(h.request.prompt) for _, h in group)
-            ids = torch.full((len(group), width), self.pad_id, dtype=torch.long, device=device)
-            mask = torch.zeros_like(ids)
-            for i, (_, h) in enumerate(group):  # left-padded: a row's slots follow its own positions
-                n = len(h.request.prompt)
-                ids[i, width - n:] = torch.tensor(h.request.prompt, device=device)
-                mask[i, width - n:] = 1
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            ids, mask = left_padded([h.request.prompt for _, h in group], self.pad_id, self.inner.device)
+            width = ids.shape[1]
             for r, h in group:
                 stops = self.stop_ids(h.request.ignore_eos, h.request.stop_token_ids)
                 decoder.set_stops(r, stops)
                 self._policy.set_request(r, h.request, stops)
             chunked = self.prefill_chunk is not None and len(group) * width > self.prefill_chunk and decoder.chunkable
-            # max_tokens 0 (the prompt's log-probabilities only): decoded as 1, nothing delivered (_deliver)
-            kept = decoder.admit([r for r, _ in group], ids, mask, positions,
+            # max_tokens 0 (the prompt's log-probabilities only): decoded as 1, nothing delivered (Rows.deliver)
+            kept = decoder.admit([r for r, _ in group], ids, mask, prompt_positions(mask, ids),
                                  [max(h.request.max_tokens, 1) for _, h in group],
                                  [h.request.adapter for _, h in group], upto=0 if chunked else None)
         except Exception as e:  # noqa: BLE001 - only the group is involved; the rows decoding go on
-            self._fail(decoder, group, "prefill", e)
+            self._rows.fail(decoder, group, "prefill", e)
             return
         if kept is None:
             self._chunked.append([group, 0])
             return
-        self._prefilled(decoder, group, kept)
+        self._rows.prefilled(decoder, group, kept)
 
     def _next_chunk(self, decoder: Decoder) -> None:
         """The next chunk of the oldest group being prefilled in chunks (its requests still in their
         rows: cancelled ones are gone); its last chunk delivers the rows' first tokens."""
         entry = self._chunked[0]
         group, done = entry
-        group = entry[0] = [(r, h) for r, h in group if self._in_row[r] is h]
+        group = entry[0] = [(r, h) for r, h in group if self._rows.handles[r] is h]
         if not group:
             self._chunked.popleft()
             return
@@ -526,87 +483,9 @@ class Engine:
             kept = decoder.prefill([r for r, _ in group], done, end)
         except Exception as e:  # noqa: BLE001 - only the group is involved
             self._chunked.popleft()
-            self._fail(decoder, group, "prefill", e)
+            self._rows.fail(decoder, group, "prefill", e)
             return
         entry[1] = end
         if kept is not None:
             self._chunked.popleft()
-            self._prefilled(decoder, group, kept)
-
-    def _prefilled(self, decoder: Decoder, group: list, kept: list[int]) -> None:
-        for r, h in group:
-            h.status = Status.DECODING
-            h.prompt_logprobs = self._policy.prompt[r]
-        self._deliver(decoder, kept)
-
-    def _deliver(self, decoder: Decoder, kept: list[int]) -> None:
-        try:
-            chunks = decoder.chunks(kept)
-        except Exception as e:  # noqa: BLE001 - every row with tokens is involved
-            self._fail(decoder, [(r, self._in_row[r]) for r, n in enumerate(kept) if self._in_row[r] is not None],
-                       "delivery", e)
-            return
-        with self._state_lock:
-            self.metrics["tokens"] += sum(n for r, n in enumerate(kept) if self._in_row[r] is not None)
-        for r, chunk in enumerate(chunks):
-            h = self._in_row[r]
-            if h is None:
-                continue
-            try:
-                if h.request.max_tokens == 0:  # its prompt only
-                    self._release(decoder, r, "length")
-                    continue
-                if chunk:
-                    top = h.request.logprobs
-                    logprobs = () if top is None else \
-                        self._policy.token_logprobs(r, decoder.generated(r) - len(chunk), chunk, top)
-                    try:
-                        stop = h._put(chunk, logprobs)
-                    except Exception as e:  # noqa: BLE001 - the request's own callback failed: only it ends
-                        self._release(decoder, r, "error", f"on_tokens raised {type(e).__name__}: {e}")
-                        continue
-                    if stop:
-                        self._release(decoder, r, "stop")
-                        continue
-                reason = decoder.end_reason(r)
-                if reason is not None:
-                    self._release(decoder, r, reason)
-            except Exception as e:  # noqa: BLE001 - only this row is involved
-                self._fail(decoder, [(r, h)], "delivery", e)
-
-    def _fail(self, decoder: Decoder, involved: list, stage: str, error: Exception) -> None:
-        """An unexpected exception in ``stage`` (called in its ``except``): the ``involved``
-        (row, handle) pairs end with "error" and their rows are freed and reset, so the next
-        admission starts them afresh; the other rows and the engine go on. If resetting fails too,
-        the engine fails (``_run``)."""
-        logger.exception("hf_invisiblelora engine: %s failed; ending %d request(s), serving on", stage, len(involved))
-        message = f"the engine failed in {stage}: {type(error).__name__}: {error}"
-        with self._state_lock:
-            self.metrics["failed_cycles"] += 1
-            self.metrics["failed_requests"] += sum(h is not None and h.finish_reason is None for _, h in involved)
-        try:
-            for r, h in involved:
-                if self._in_row[r] is h:
-                    self._in_row[r] = None
-            decoder.reset([r for r, _ in involved], self.max_len - self.num_draft_tokens - 1)
-        finally:  # the requests learn they failed even if the reset fails (and with it the engine)
-            for r, h in involved:
-                if h is not None:
-                    h.drafted, h.accepted = decoder.drafted[r], decoder.accepted[r]
-                    h._finish("error", message)
-
-    def _drop_cancelled(self, decoder: Decoder) -> None:
-        with self._wake:
-            cancelled, self._cancelled = self._cancelled, set()
-        for r, h in enumerate(self._in_row):
-            if h is not None and h.request.id in cancelled:
-                self._release(decoder, r, "cancelled")
-
-    def _release(self, decoder: Decoder, r: int, reason: str, error: str | None = None) -> None:
-        """Row r's request ends (``reason``); the row is freed for the next one."""
-        h = self._in_row[r]
-        h.drafted, h.accepted = decoder.drafted[r], decoder.accepted[r]
-        self._pool.touch(h.request.adapter)
-        self._in_row[r] = None
-        decoder.free(r)
-        h._finish(reason, error)
+            self._rows.prefilled(decoder, group, kept)

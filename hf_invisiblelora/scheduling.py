@@ -9,6 +9,8 @@ within that adapter's budgets.
 
 from __future__ import annotations
 
+import torch
+
 from .lora import BASE
 
 
@@ -70,3 +72,15 @@ def prefill_groups(joining: list, room: int) -> list[list]:
         groups.append(group)
         left = [rh for rh in left if all(rh is not g for g in group)]
     return sorted(groups, key=lambda g: joining.index(g[0]))  # FIFO: by each group's first request
+
+
+def left_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill group's prompts as generate() takes a batch: ids [n, longest], left-padded with
+    ``pad_id`` (a row's slots follow its own positions), and their attention mask."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, device=device)
+        mask[i, width - len(p):] = 1
+    return ids, mask

@@ -375,7 +375,7 @@ def quiet(engine, timeout=30):
         time.sleep(0.005)
     decoder = engine._decoder
     assert all(decoder.batch.done_h) and decoder.names == [None] * engine.max_batch
-    assert decoder.policy.requests == [None] * engine.max_batch and engine._in_row == [None] * engine.max_batch
+    assert decoder.policy.requests == [None] * engine.max_batch and engine._rows.handles == [None] * engine.max_batch
 
 
 def test_requests_admitted_together_fit_their_rows(model, monkeypatch):
@@ -668,7 +668,7 @@ def evictions(monkeypatch, engine):
     seen, delete = [], adapter_pool.remove_adapter
 
     def spy(model, name):
-        seen.append((name, {h.request.adapter for h in engine._in_row if h is not None},
+        seen.append((name, set(engine._rows.adapters()),
                      {h.request.adapter for h in engine._waiting}))
         return delete(model, name)
 
