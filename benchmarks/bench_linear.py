@@ -12,32 +12,15 @@ weight-only drafters' head), float32 and prepacked float32, with the cache flush
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
-from common import machine
-from tiny import SMOLLM2_DIMS as SMOLLM2
-
+from common import interleaved, machine
 from hf_invisiblelora.kernels import packed_linear
-
-
-def timed(ways: dict, repeats: int, before=None) -> dict:
-    for f in ways.values():
-        f()
-    times = {name: [] for name in ways}
-    for _ in range(repeats):
-        for name, f in ways.items():
-            if before:
-                before()
-            t = time.perf_counter()
-            f()
-            times[name].append((time.perf_counter() - t) * 1e3)
-    return {name: statistics.median(v) for name, v in times.items()}
+from tiny import SMOLLM2_DIMS as SMOLLM2
 
 
 def main(argv=None):
@@ -65,7 +48,7 @@ def main(argv=None):
         ways = {"linear": lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
                 "dense": lambda: [packed_linear.linear(xs[w.shape[1]], w, None) for w in weights],
                 "packed": lambda: [packed_linear.linear(xs[w.shape[1]], pw, None) for w, pw in zip(weights, packed)]}
-        t = timed(ways, args.repeats)
+        t = {k: v * 1e3 for k, v in interleaved(ways, args.repeats)[0].items()}  # ms
         print(f"| {m} | {t['linear']:.1f} | {t['dense']:.1f} | {t['packed']:.1f} |", flush=True)
     if args.head:
         w = torch.randn(args.head, s["hidden"]) * 0.02
@@ -79,7 +62,8 @@ def main(argv=None):
             ways = {"bf16": lambda: torch.nn.functional.linear(x.to(torch.bfloat16), wb).float(),
                     "fp32": lambda: torch.nn.functional.linear(x, w),
                     "packed": lambda: packed_linear.linear(x, pw, None)}
-            t = timed(ways, args.repeats, before=lambda: [f.sum() for f in flush])
+            flushed = interleaved(ways, args.repeats, before=lambda: [f.sum() for f in flush])[0]
+            t = {k: v * 1e3 for k, v in flushed.items()}  # ms
             print(f"| {m} | {t['bf16']:.2f} | {t['fp32']:.2f} | {t['packed']:.2f} |", flush=True)
 
 

@@ -14,7 +14,7 @@ adapters (rows round-robin over min(batch, --adapters) adapters) against a 64-to
 - **bound**: MB read / the machine's read bandwidth (a large fp32 tensor's sum, measured in the run),
   and **x bound**, the pass's time over it.
 
-Our float32 passes are also timed on prepacked linear layers (hf_invisiblelora/prepack.py, the
+Our float32 passes are also timed on prepacked linear layers (hf_invisiblelora/model/prepack.py, the
 default where it applies; "prepacked" rows, interleaved with the others: the before and after of
 one run); --no-prepack leaves them out.
 
@@ -33,12 +33,11 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_step.py, common.py, under python -P too
-from bench_step import CONTEXT, Setup, adapter_bytes, timed
-from common import machine
+from bench_step import CONTEXT, Setup, adapter_bytes
 
+from common import interleaved, machine
 from hf_invisiblelora import zoo
-from hf_invisiblelora.drafters import BaseModelDrafter
-from hf_invisiblelora.state import state_of
+from hf_invisiblelora.model.state import state_of
 
 MATMULS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm",
            "aten::_weight_int4pack_mm_for_cpu", "aten::mkldnn_linear", "mkldnn::_linear_pointwise"}
@@ -111,9 +110,8 @@ def main(argv=None):
     for batch in args.batches:
         a = min(batch, args.adapters, len(names))
         with state_of(model).hold():
-            s = Setup(model, names[:a], batch, config.vocab_size, draft_vocab)
-            for dtype in (torch.int8, torch.int4):
-                s.drafters[f"draft_{str(dtype)[6:]}"] = BaseModelDrafter(model, state_of(model), dtype=dtype)
+            s = Setup(model, names[:a], batch, config.vocab_size, draft_vocab,
+                      draft_dtypes=(torch.bfloat16, torch.int8, torch.int4))
             lora_mb = sum(adapter_bytes(model, n) for n in set(s.rows))
             kv = kv_per_token * batch * (CONTEXT + 1)
             ours = s.installed()
@@ -132,7 +130,7 @@ def main(argv=None):
                 steps["draft, vocab 8k head, prepacked"] = sp.drafted("draft_vocab")
                 steps["LoRA-on step, prepacked"] = (packed, sp.ours(True, 1))
                 steps[f"verify {args.verify}, prepacked"] = (packed, sp.ours(True, args.verify))
-            t, _ = timed(steps, args.repeats)
+            t, _ = interleaved(steps, args.repeats)
             for name, (context, fn) in steps.items():
                 with context():
                     shares = split(fn, max(3, args.repeats // 2))

@@ -31,25 +31,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LogitsProcessorList
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora import layout, zoo
-from hf_invisiblelora.adapters import BankSwitch
-from hf_invisiblelora.drafters import BaseModelDrafter
-from hf_invisiblelora.forward import CompiledForward, EagerForward
-from hf_invisiblelora.prepack import PackedLinears
-from hf_invisiblelora.state import state_of
+from hf_invisiblelora import zoo
+from hf_invisiblelora.decode.drafters import BaseModelDrafter
+from hf_invisiblelora.decode.policies import GeneratePolicy
+from hf_invisiblelora.decode.session import Session
+from hf_invisiblelora.model import layout
+from hf_invisiblelora.model.state import state_of
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
-from common import machine
+from common import interleaved, machine
 
 CONTEXT = 64
+
+
+SHORT = {torch.bfloat16: "bf16"}  # the draft dtypes' names in the tables (else torch's: int8, int4)
 
 
 def adapter_bytes(model, name: str) -> int:
@@ -61,37 +63,61 @@ def base_bytes(model) -> int:
 
 
 class Setup:
-    """The passes of one (batch, adapters) point, each a callable timing one step. Made and timed
-    inside ``state_of(model).hold()``: the pass contexts' owner check is the model state's."""
+    """The passes of one (batch, adapters) point, each a callable timing one step, on the decoder
+    generate() assembles (decode/session.py: the bank's LoRA switch, the forward, the drafters, the
+    prepacked layers). Made and timed inside ``state_of(model).hold()``: the pass contexts' owner
+    check is the model state's."""
 
-    def __init__(self, model, names, batch, vocab, draft_vocab, compiled=False, prepack=False):
+    def __init__(self, model, names, batch, vocab, draft_vocab, compiled=False, prepack=False,
+                 draft_dtypes=(torch.bfloat16,)):
         self.model, self.inner = model, model.get_base_model()
         self.rows = [names[i % len(names)] for i in range(batch)]
         g = torch.Generator().manual_seed(batch)
         self.prompt = torch.randint(3, vocab, (batch, CONTEXT), generator=g)
         self.next = torch.randint(3, vocab, (batch, 3), generator=g)
         state = state_of(model)
-        self.lora = BankSwitch(model, mixed=True)
-        self.packed = PackedLinears(model, state, prepack)  # our eager passes' linear layers (prepack.py)
-        self.fwd = EagerForward(self.inner, self.lora, batch, CONTEXT + 8, self.prompt.device, state.mine)
-        self.lora.set_rows(self.rows)
+        self.drafter = BaseModelDrafter(model, state)  # the base model as it is: the default drafter
+        self.drafters = {"draft_vocab": BaseModelDrafter(model, state, torch.tensor(draft_vocab)),
+                         **{f"draft_{SHORT.get(d, str(d)[6:])}": BaseModelDrafter(model, state, dtype=d)
+                            for d in draft_dtypes}}
         self.start = torch.full((batch,), CONTEXT, dtype=torch.long)
-        self.cfwd = None
+        # One decoder per drafter, as generate() installs only the drafters it is given (each one
+        # routes the layers it changes, which would reach the other passes' timing too).
+        self.sessions = {(False, None): self._session(state, batch, prepack, None, self.drafter)}
+        for name, drafter in self.drafters.items():
+            self.sessions[False, name] = self._session(state, batch, prepack, None, drafter)
         if compiled:
-            self.cfwd = CompiledForward(self.inner, state.buckets, self.lora, batch, CONTEXT + 8,
-                                        self.prompt.device, "inductor", range(1, 4), state.mine)
-            self.cfwd.set_rows(self.rows)
-        for fwd in (self.fwd, self.cfwd) if compiled else (self.fwd,):
-            mask = torch.ones_like(self.prompt)
-            fwd.layout.load(list(range(batch)), mask, (mask.cumsum(-1) - 1), [CONTEXT + 6] * batch)
-            with self.lora.installed(fwd.context), torch.no_grad():
-                fwd(self.prompt, torch.zeros(batch, dtype=torch.long), CONTEXT, keep=1, prefix=CONTEXT)
+            self.sessions[True, None] = self._session(state, batch, False, "inductor", self.drafter)
         self.stock_cache = self._stock_prefill(adapters=True)
         self.base_cache = self._stock_prefill(adapters=False)
         self.hidden = torch.randn(batch, 1, self.inner.config.get_text_config().hidden_size)
-        self.drafter = BaseModelDrafter(model, state)  # the base model as it is: the default drafter
-        self.drafters = {"draft_vocab": BaseModelDrafter(model, state, torch.tensor(draft_vocab)),
-                         "draft_bf16": BaseModelDrafter(model, state, dtype=torch.bfloat16)}
+
+    def _session(self, state, batch: int, prepack: bool, backend, drafter):
+        """generate()'s assembly for ``batch`` rows with ``drafter``, its prompt prefilled (the rows' adapters)."""
+        session = Session(self.model, state, GeneratePolicy(LogitsProcessorList(), False), capacity=batch,
+                          width=CONTEXT + 8, mixed=True, gate="never", num_draft_tokens=2,
+                          drafters=[drafter], compile_backend=backend, prepack=prepack, pad_id=0)
+        mask = torch.ones_like(self.prompt)
+        with session.installed() as decoder, torch.no_grad():
+            decoder.admit(list(range(batch)), self.prompt, mask, mask.cumsum(-1) - 1, [8] * batch, self.rows)
+        return session
+
+    def installed(self, compiled: bool = False, drafter: str | None = None):
+        """The (untimed) context of our passes: the session installed (its LoRA switch, its drafter
+        and, eager, prepacked layers) with its forward's pass context."""
+        return self.sessions[compiled, drafter].installed
+
+    def ours(self, lora_on: bool, q: int, compiled: bool = False, drafter: str | None = None):
+        """Our pass of q tokens per row: LoRA on, or a draft pass (the default drafter, or the one
+        named ``drafter``)."""
+        session = self.sessions[compiled, drafter]
+        ids, fwd = self.next[:, :q], session.fwd
+        passed = None if lora_on else session.drafters[0]
+        return lambda: fwd(ids, self.start, CONTEXT + q, keep=q, drafter=passed)
+
+    def drafted(self, name: str):
+        """(context, step): a draft pass with one of the cheaper drafters."""
+        return self.installed(drafter=name), self.ours(False, 1, drafter=name)
 
     def _stock_prefill(self, adapters: bool):
         cache = DynamicCache(config=self.inner.config)
@@ -102,33 +128,6 @@ class Setup:
                 with self.model.disable_adapter():
                     self.inner(input_ids=self.prompt, cache=cache, use_cache=True, logits_to_keep=1)
         return cache
-
-    def installed(self, compiled: bool = False, drafter=None):
-        """The (untimed) context of our passes: the LoRA switch, and ``drafter`` if given, installed
-        with the forward's pass context (the compiled forward's is its bucket's)."""
-        context = (self.cfwd if compiled else self.fwd).context
-
-        @contextlib.contextmanager
-        def installed():
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(self.lora.installed(context))
-                if not compiled:
-                    stack.enter_context(self.packed.installed(context))
-                if drafter:
-                    stack.enter_context(drafter.installed(context))
-                yield
-        return installed
-
-    def ours(self, lora_on: bool, q: int, compiled: bool = False, drafter=None):
-        """Our pass of q tokens per row: LoRA on, or a draft pass (the default drafter unless given)."""
-        ids, fwd = self.next[:, :q], self.cfwd if compiled else self.fwd
-        drafter = None if lora_on else drafter or self.drafter
-        return lambda: fwd(ids, self.start, CONTEXT + q, keep=q, drafter=drafter)
-
-    def drafted(self, name: str):
-        """(context, step): a draft pass with one of the cheaper drafters."""
-        drafter = self.drafters[name]
-        return self.installed(drafter=drafter), self.ours(False, 1, drafter=drafter)
 
     def stock(self, adapters: bool):
         cache = self.stock_cache if adapters else self.base_cache
@@ -157,20 +156,6 @@ def copied_kv(context):
         finally:
             layout.in_pass = saved
     return both
-
-
-def timed(steps: dict, repeats: int) -> dict:
-    """(median seconds per call of each step {name: (context, step)}, interleaved after one warm-up
-    round; seconds of each step's warm-up call). The context (our LoRA switch installed, PEFT's
-    adapters disabled) is not timed."""
-    times = {k: [] for k in steps}
-    for rep in range(repeats + 1):
-        for name, (context, fn) in steps.items():
-            with context(), torch.no_grad():
-                t = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t)
-    return {k: statistics.median(v[1:]) for k, v in times.items()}, {k: v[0] for k, v in times.items()}
 
 
 def main(argv=None):
@@ -217,7 +202,7 @@ def main(argv=None):
                 ab = [k for k in ("draft", "lora", *compiled[:2]) if args.copied_kv]
                 for name in ab:
                     steps[name + "_copied"] = (copied_kv(steps[name][0]), steps[name][1])
-                t, first = timed(steps, args.repeats)
+                t, first = interleaved(steps, args.repeats)
             r = dict(batch=batch, adapters=a, bound=bound, **{k: 1000 * v for k, v in t.items()})
             if compiled:
                 r["compile_s"] = {k: first[k] - t[k] for k in compiled}

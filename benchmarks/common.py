@@ -30,6 +30,24 @@ def timed(fn, repeats: int, inner: int = 1) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(cpus)
 
 
+def interleaved(steps: dict, repeats: int, before=None) -> tuple[dict, dict]:
+    """Median seconds per call of each step, the steps run in turn in each of ``repeats`` rounds
+    after one warm-up round (so drifts of the machine reach all of them alike), and each step's
+    warm-up seconds (a compilation shows there). A step is ``fn`` or ``(context, fn)``: the context
+    (our decoder installed, PEFT's adapters disabled) and ``before`` (a cache flush) are not timed."""
+    times = {name: [] for name in steps}
+    for _ in range(repeats + 1):
+        for name, step in steps.items():
+            context, fn = step if isinstance(step, tuple) else (contextlib.nullcontext, step)
+            if before:
+                before()
+            with context(), torch.no_grad():
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v[1:]) for k, v in times.items()}, {k: v[0] for k, v in times.items()}
+
+
 def sync() -> None:
     """Wait for queued GPU work before reading a clock (generate returns with work still queued)."""
     if torch.cuda.is_available():

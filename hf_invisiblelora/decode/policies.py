@@ -1,0 +1,243 @@
+"""How tokens are chosen: a decoder's policy processes the logits of a pass, picks draft tokens and
+accepts drafts against the target (decoder.py calls it; which rows: a slice of the first rows, or
+the row indices of a prefill).
+
+- ``GeneratePolicy``: standard generate()'s processors over the batch (processors.py), greedy or
+  speculative sampling with one generator (acceptance.py).
+- ``RequestPolicy``: each row a request of its own (engine.py): its logit bias, min_tokens,
+  repetition, presence and frequency penalties, temperature / top-k / top-p / min-p, greedy or
+  seeded sampling whose output depends only on the request (not on its batch mates or on how
+  many tokens were drafted): sampling is the argmax of log-probabilities plus Gumbel noise
+  drawn per token position from the request's seed (the Gumbel-max trick), so drafts and the
+  target are compared as in greedy decoding, and each committed token is an exact sample. It
+  also keeps the raw log-probabilities of the prompt tokens for requests that ask.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation import logits_process as lp
+
+from .acceptance import accept_greedy, accept_sampling, sample
+from .processors import process_scores
+
+# Temperatures below this decode greedily, as in vLLM (its _SAMPLING_EPS). The sample is
+# argmax(logits / T + g), with Gumbel noise g that _gumbel's clamp bounds to [-3.9, 16.2]: below 1e-5
+# only a token within 20 T (< 2e-4) of the top logit could win instead, and far smaller T overflow
+# float32 (at T = 1e-40, logits / T is inf, then NaN: an empty answer).
+GREEDY_BELOW = 1e-5
+
+
+def _idx(batch, which) -> list[int]:
+    """The row indices a pass runs: the first rows (a slice) or some (an index tensor)."""
+    return list(range(*which.indices(len(batch.plen_h)))) if isinstance(which, slice) else which.tolist()
+
+
+def _lengths(batch, idx, offset: int) -> list[int]:
+    """The length of each row's context before position 0 of a pass (``offset`` drafts into a cycle)."""
+    return [batch.plen_h[r] + batch.gen_h[r] + offset for r in idx]
+
+
+class GeneratePolicy:
+    """generate()'s processors and decoding mode for a batch whose rows all start together."""
+
+    def __init__(self, processors, do_sample: bool, generator=None):
+        self.processors, self.do_sample, self.generator = processors, do_sample, generator
+
+    def scores(self, batch, which, logits, offset: int, target: bool = False):
+        idx = _idx(batch, which)
+        active = [i for i, r in enumerate(idx) if not batch.done_h[r]]
+        return process_scores(self.processors, batch.tokens[which], _lengths(batch, idx, offset), logits, active)
+
+    def pick(self, scores, batch, which, offset: int):
+        if self.do_sample:
+            return sample(scores, self.generator)
+        return scores.argmax(-1), None
+
+    def wants_prompt(self, idx) -> bool:
+        return False  # generate() returns no prompt log-probabilities
+
+    def accept(self, drafts, draft_probs, scores, batch, which):
+        if self.do_sample:
+            return accept_sampling(drafts, draft_probs, scores, self.generator)
+        return accept_greedy(drafts, scores)
+
+
+class LogitBias:
+    """OpenAI's ``logit_bias``: {token id: bias} added to those tokens' logits (a logits processor)."""
+
+    def __init__(self, bias: dict, device):
+        self.ids = torch.tensor(list(bias), dtype=torch.long, device=device)
+        self.values = torch.tensor(list(bias.values()), device=device)
+
+    def __call__(self, input_ids, scores):
+        return scores.index_add(-1, self.ids, self.values.to(scores.dtype).expand(*scores.shape[:-1], -1))
+
+
+class OutputPenalties:
+    """OpenAI's (and vLLM's) ``presence_penalty`` and ``frequency_penalty``: each token's logit less
+    frequency x its count in the output so far and presence if it occurs there at all. The output:
+    ``input_ids`` past the first ``prompt_len`` (a logits processor)."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        out = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores).scatter_add_(-1, out, torch.ones_like(out, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+class RequestPolicy:
+    """Each row its own request (engine.py): greedy (temperature 0) or sampled, its scores processed
+    in vLLM's order: the logit bias, no stop token before ``min_tokens``, the repetition penalty (over
+    the request's prompt and output; Transformers' processor, as generate() applies it), presence and
+    frequency penalties (over the output), then, when sampling, temperature, top-k, top-p and min-p.
+
+    Sampling is greedy decoding on log-probabilities plus Gumbel noise: with g_i the noise drawn for
+    generated position i from the request's seed, the token at i is argmax(log p_i + g_i), an exact
+    sample from p_i (the Gumbel-max trick). The drafter's picks use the same noise, so drafts are
+    accepted when they equal the target's pick, and the output depends only on the request: not on
+    its batch mates, nor on how many tokens the gate drafted.
+
+    Log-probabilities (a request's ``logprobs``) are the target's raw ones: the log-softmax of the
+    LoRA-on logits before any processing, as vLLM returns by default. A target pass keeps them for
+    the rows that asked until their committed tokens are delivered (``token_logprobs``). A
+    prefill keeps each prompt token's for the rows that asked (``keep_prompt``, ``prompt``), from
+    the logits of the token before it, as vLLM's ``prompt_logprobs``.
+    """
+
+    def __init__(self, capacity: int, device):
+        self.device = device
+        self.requests = [None] * capacity  # the request in each row
+        self.processors = [[] for _ in range(capacity)]  # per row: those reading its tokens
+        self.generators = [None] * capacity
+        self.noise = [{} for _ in range(capacity)]  # row -> {generated position: Gumbel noise [V]}
+        self.drawn = [0] * capacity  # positions drawn so far, in order: noise i is the i-th draw
+        self.kept = [None] * capacity  # row -> (generated position of the first, raw log-probs [q, V])
+        self.prompt = [None] * capacity  # row -> its prompt tokens' entries so far (keep_prompt), if asked
+
+    def set_request(self, r: int, request, stops=()) -> None:
+        """Row r decodes ``request``; ``stops``: its stop token ids, none generated before min_tokens."""
+        self.requests[r] = request
+        procs = []
+        if request.logit_bias:
+            procs.append(LogitBias(request.logit_bias, self.device))
+        if request.min_tokens and len(stops):
+            procs.append(lp.MinNewTokensLengthLogitsProcessor(len(request.prompt), request.min_tokens, list(stops),
+                                                              device=self.device))
+        if request.repetition_penalty != 1.0:
+            procs.append(lp.RepetitionPenaltyLogitsProcessor(request.repetition_penalty))
+        if request.presence_penalty or request.frequency_penalty:
+            procs.append(OutputPenalties(len(request.prompt), request.presence_penalty, request.frequency_penalty))
+        self.processors[r] = procs
+        self.prompt[r] = [None] if request.prompt_logprobs is not None else None  # the first token has none
+        seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()).item())
+        self.generators[r] = torch.Generator(device=self.device).manual_seed(seed)
+        self.noise[r], self.drawn[r], self.kept[r] = {}, 0, None
+
+    def release(self, r: int) -> None:
+        """Forget row r's request (its settings, generator and noise); the next one sets its own."""
+        self.requests[r], self.processors[r], self.generators[r] = None, [], None
+        self.noise[r], self.drawn[r], self.kept[r], self.prompt[r] = {}, 0, None, None
+
+    def _sampling(self, r: int):
+        """(temperature, top_k, top_p, min_p) of a sampled row; None for a greedy one."""
+        q = self.requests[r]
+        return (q.temperature, q.top_k, q.top_p, q.min_p) if q.temperature >= GREEDY_BELOW else None
+
+    def _gumbel(self, r: int, position: int, vocab: int):
+        noise = self.noise[r]
+        while self.drawn[r] <= position:
+            u = torch.rand(vocab, generator=self.generators[r], device=self.device).clamp_(min=1e-20, max=1 - 1e-7)
+            noise[self.drawn[r]] = -torch.log(-torch.log(u))
+            self.drawn[r] += 1
+        return noise[position]
+
+    def scores(self, batch, which, logits, offset: int, target: bool = False):
+        idx = _idx(batch, which)
+        scores = logits.float()
+        n, q, v = scores.shape
+        live = [i for i, r in enumerate(idx) if not batch.done_h[r] and self.requests[r] is not None]
+        if target:
+            for i in live:
+                if self.requests[idx[i]].logprobs is not None:
+                    self.kept[idx[i]] = (batch.gen_h[idx[i]], scores[i].log_softmax(-1))
+        for i in live:
+            r = idx[i]
+            if self.processors[r]:  # each position's context: the request's prompt and output before it
+                start = batch.plen_h[r] - len(self.requests[r].prompt)
+                end = batch.plen_h[r] + batch.gen_h[r] + offset
+                scores[i] = torch.cat([_apply(self.processors[r], batch.tokens[r, start:end + t][None], scores[i, t][None])
+                                       for t in range(q)])
+        groups = {}
+        for i in live:
+            if (setting := self._sampling(idx[i])) is not None:
+                groups.setdefault(setting, []).append(i)
+        for (temperature, top_k, top_p, min_p), members in groups.items():
+            warpers = [lp.TemperatureLogitsWarper(temperature)]
+            if top_k:
+                warpers.append(lp.TopKLogitsWarper(top_k))
+            if top_p < 1:
+                warpers.append(lp.TopPLogitsWarper(top_p))
+            if min_p > 0:
+                warpers.append(lp.MinPLogitsWarper(min_p))
+            sub = _apply(warpers, None, scores[members].reshape(-1, v)).log_softmax(-1).reshape(len(members), q, v)
+            for j, i in enumerate(members):
+                r = idx[i]
+                start = batch.gen_h[r] + offset
+                self.noise[r] = {p: g for p, g in self.noise[r].items() if p >= batch.gen_h[r]}  # committed: not needed
+                sub[j] += torch.stack([self._gumbel(r, start + t, v) for t in range(q)])
+            scores[members] = sub
+        return scores
+
+    def token_logprobs(self, r: int, first: int, tokens: list[int], top: int) -> list:
+        """Row r's committed ``tokens`` (generated positions first, first + 1, ...): per token its
+        raw log-probability and the ``top`` most likely (token id, log-probability) pairs."""
+        start, logprobs = self.kept[r]
+        span = logprobs[first - start : first - start + len(tokens)]
+        chosen = span.gather(1, torch.tensor(tokens, device=span.device)[:, None])[:, 0]
+        best = span.topk(top, -1) if top else None
+        chosen = chosen.tolist()
+        if best is None:
+            return [(c, []) for c in chosen]
+        values, ids = best.values.tolist(), best.indices.tolist()
+        return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids, values)]
+
+    def pick(self, scores, batch, which, offset: int):
+        return scores.argmax(-1), None
+
+    def wants_prompt(self, idx) -> bool:
+        """Whether a row of ``idx`` asks for its prompt's log-probabilities (its prefill keeps every position)."""
+        return any(self.prompt[r] is not None for r in idx)
+
+    def keep_prompt(self, batch, rows, logits, start: int) -> None:
+        """From a prefill pass over slots start .. start + q - 1 of ``rows`` (logits [n, q, V]): the
+        raw log-probability, rank and top ones of each prompt token whose previous token is in the
+        pass, for the rows that asked (``prompt``)."""
+        for i, r in enumerate(rows):
+            entries = self.prompt[r]
+            if entries is None:
+                continue
+            first, end = batch.plen_h[r] - len(self.requests[r].prompt), batch.plen_h[r]
+            lo, hi = max(start, first), min(start + logits.shape[1], end - 1)  # slot p predicts token p + 1
+            if hi <= lo:
+                continue
+            logprobs = logits[i, lo - start:hi - start].float().log_softmax(-1)
+            tokens = batch.tokens[r, lo + 1:hi + 1]
+            chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+            ranks = (logprobs > chosen[:, None]).sum(1) + 1
+            top = self.requests[r].prompt_logprobs
+            best = logprobs.topk(top, -1) if top else None
+            for j, (c, rank) in enumerate(zip(chosen.tolist(), ranks.tolist())):
+                pairs = list(zip(best.indices[j].tolist(), best.values[j].tolist())) if top else []
+                entries.append((c, rank, pairs))
+
+    def accept(self, drafts, draft_probs, scores, batch, which):
+        return accept_greedy(drafts, scores)
+
+
+def _apply(processors, input_ids, scores):
+    for p in processors:
+        scores = p(input_ids, scores)
+    return scores

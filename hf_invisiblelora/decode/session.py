@@ -1,0 +1,93 @@
+"""One decoder over a model, assembled the same way for ``generate()`` (api.py) and the serving
+engine (engine.py):
+
+    session = Session(peft_model, policy, capacity=B, width=W, mixed=True, ...)
+    with state_of(peft_model).hold(), session.installed() as decoder:
+        kept = decoder.admit(rows, input_ids, mask, positions, budgets, adapters)
+        while decoder.batch.active:
+            kept = decoder.cycle()
+
+It builds the LoRA switch (the adapter bank, or PEFT's own layers: ``lora_backend``), the forward
+(eager, or the compiled passes of a bucket) with its pass context, the drafter, the gate, the
+per-slot rotary embeddings of length-dependent RoPE, and the Decoder. ``installed()`` routes
+them into the model's layers for the call's passes and puts everything back after, also on errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from ..lora.switch import SWITCHES, bank_inexact
+from ..model.derived import SourceCheck
+from ..model.forward import CompiledForward, EagerForward
+from ..model.prepack import PackedLinears
+from ..model.rotary import StepRotary
+from ..model.walk import BASE
+from .decoder import Decoder
+from .drafters import BaseModelDrafter
+from .gate import Gate, GateMemory
+
+logger = logging.getLogger("hf_invisiblelora")
+
+
+def lora_backend(model, adapters, requested: str = "bank") -> str:
+    """``requested``, unless it is the bank and the bank would not compute these adapters as PEFT
+    does (adapters.bank_inexact): then PEFT's own layers (logged at INFO)."""
+    why = requested == "bank" and bank_inexact(model, set(adapters) - {BASE})
+    if why:
+        logger.info("hf_invisiblelora: PEFT's own LoRA layers compute the passes (%s).", why)
+        return "peft"
+    return requested
+
+
+class Session:
+    """See the module docstring. ``policy``: how tokens are chosen (policies.py); ``capacity`` rows
+    of ``width`` slots; ``mixed``: rows name their adapters (PEFT's mixed-batch path, as
+    ``adapter_names=`` takes it), else the model's active adapter; ``drafters``: default the base
+    model as it is (several: the gate picks one per cycle); ``compile_backend``: None (eager), "inductor" or "cuda_graphs" (forward.py),
+    in the bucket of ``length`` slots if given; ``prepack``: the eager passes' linear layers on
+    prepacked weights ("auto", True, False: prepack.py); the other keywords go to the Decoder."""
+
+    def __init__(self, model, state, policy, *, capacity: int, width: int, mixed: bool, lora_backend: str = "bank",
+                 gate: str = "auto", num_draft_tokens: int = 4, drafters=None, compile_backend=None, length=None,
+                 prepack="auto", **decoder_options):
+        inner = model.get_base_model()
+        self.inner, self.state, self.mixed = inner, state, mixed
+        self.check = SourceCheck()  # every derived copy checked against its sources once (derived.py)
+        lora = SWITCHES[lora_backend](model, mixed, self.check)
+        self.drafters = drafters or [BaseModelDrafter(model, state)]
+        if compile_backend is None:
+            self.fwd = EagerForward(inner, lora, capacity, width, inner.device, state.mine)
+        else:
+            self.fwd = CompiledForward(inner, state.buckets, lora, capacity, width, inner.device, compile_backend,
+                                       range(1, num_draft_tokens + 2), state.mine, length)
+        if state.gate is None:
+            state.gate = GateMemory()
+        self.gate = Gate(gate, num_draft_tokens, state.gate, BASE, passes=compile_backend or "eager",
+                         drafters=tuple(d.key for d in self.drafters))
+        self.rotary = StepRotary(inner, self.fwd.layout)
+        # Compiled passes trace the layers as they are: Inductor lays out weights its own way.
+        self.packed = PackedLinears(model, state, prepack, self.check) if compile_backend is None else None
+        self.decoder = Decoder(self.fwd, lora, policy, self.gate, self.drafters, capacity=capacity,
+                               **decoder_options)
+
+    @contextlib.contextmanager
+    def installed(self):
+        context = self.fwd.context
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.decoder.lora.installed(context))
+            stack.enter_context(self.rotary.installed())
+            if self.packed is not None:  # the drafters' own layers take their place in their passes (routing.py)
+                stack.enter_context(self.packed.installed(context))
+            for drafter in self.drafters:
+                stack.enter_context(drafter.installed(context, self.check))
+            yield self.decoder
+
+    def renew_lora(self, model, lora_backend: str) -> None:
+        """A new LoRA switch after the model's adapters changed (a new bank: its slots may move);
+        the rows in flight go on. Call outside ``installed()``."""
+        self.check = SourceCheck()  # the model may have changed: its sources are read again
+        self.decoder.set_lora(SWITCHES[lora_backend](model, self.mixed, self.check))
+        if self.packed is not None:  # the layers may have changed too: PEFT wraps the ones a new adapter targets
+            self.packed = PackedLinears(model, self.state, self.packed.mode, self.check)

@@ -1,0 +1,497 @@
+"""Continuous batching: requests join free rows of one shared cache between cycles and leave as soon
+as they are done, each with its own adapter and sampling settings (the OpenAI-compatible server in
+serving/ runs on it; it is a plain object and needs no HTTP).
+
+    engine = Engine(peft_model, max_batch=8)
+    engine.start()
+    handle = engine.submit(Request(prompt_ids, adapter="poetry", max_tokens=64, temperature=0.7, seed=1))
+    for tokens in handle:            # committed tokens, as the cycles commit them
+        ...
+    handle.finish_reason             # "stop" (EOS or stopped by the caller) or "length"
+    engine.stop()
+
+Each cycle the engine admits waiting requests into free rows (a prefill of those rows: one per
+group of them whose prompts, left-padded to the group's longest, leave every row room for its
+budget and the drafts), then runs one decoder cycle (decoder.py: the gate's drafts, one verify
+pass over every active row, acceptance) and hands each request its committed tokens. A group with
+more prompt tokens than ``prefill_chunk`` is prefilled in chunks of at most that many, one chunk
+between two cycles (as vLLM and SGLang bound a step's prefill tokens): rows that decode wait for a
+chunk, never for a whole long prompt; the group's rows join the cycles after their last chunk. A
+request's output does not depend on what else shares the batch: greedy output equals standalone
+``generate()`` of its prompt with its adapter, and sampling with a seed gives the same tokens
+whatever the batch (policies.RequestPolicy). An unexpected exception in a prefill, a cycle or a
+delivery ends only the requests in it (finish reason "error"; logged, and counted in ``metrics``:
+``failed_cycles``, ``failed_requests``); their rows are freed and the engine serves on.
+
+Adapters can be loaded and unloaded while serving (between cycles; unloading one that a request
+uses is refused). The engine holds the model's InvisibleLoRA lock while it runs: other
+``generate(invisible_lora=True)`` calls on the model wait until it stops.
+
+What it holds can be bounded, as vLLM and SGLang do: ``max_loras`` distinct adapters in one pass (a
+request whose adapter would be one too many waits; admission stays first come, first served:
+scheduling.py) and ``max_cpu_loras`` adapters loaded in the model (the least recently used idle one
+is evicted and loaded again when a request names it: adapter_pool.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import threading
+
+import torch
+
+from ..decode.checks import check_adapter_state, check_model, check_options
+from ..decode.decoder import Decoder
+from ..decode.drafters import BaseModelDrafter, check_dtype as check_draft_dtype, fixed_vocabulary
+from ..decode.policies import RequestPolicy
+from ..decode.session import Session, lora_backend
+from ..lora.files import MAX_RANK
+from ..model.layout import prompt_positions
+from ..model.prepack import check_mode as check_prepack
+from ..model.rotary import length_dependent
+from ..model.state import state_of
+from ..model.walk import BASE
+from ..threads import release_openmp_threads
+from .adapter_pool import (
+    AdapterBusy,
+    AdapterExists,
+    AdapterPool,
+    AdapterUnsupported,
+    LastAdapter,
+    UnknownAdapter,
+    check_name,
+    return_freed_memory,
+)
+from .request import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, Handle, InvalidRequest, PromptTooLong, Request, Status, validate
+from .rows import Rows
+from .scheduling import left_padded, pick, prefill_groups
+
+logger = logging.getLogger("hf_invisiblelora")
+__all__ = ["Engine", "PREFILL_CHUNK", "Request", "Handle", "Status", "MAX_LOGPROBS", "MAX_STOP_TOKEN_IDS",
+           "InvalidRequest", "PromptTooLong", "QueueFull", "NotRunning", "UnknownAdapter", "AdapterBusy", "LastAdapter",
+           "AdapterExists", "AdapterUnsupported"]
+
+
+PREFILL_CHUNK = 512  # Engine(prefill_chunk=): prompt tokens per prefill pass (--prefill-chunk)
+
+
+class QueueFull(RuntimeError):
+    """The engine's queue holds ``max_queue`` requests already."""
+
+
+class NotRunning(RuntimeError):
+    """The engine is not running (not started, stopped, or failed)."""
+
+
+def _bound(name: str, value) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be None or an int >= 1, got {value!r}.")
+    return value
+
+
+class Engine:
+    """A fixed number of rows (``max_batch``) over one shared cache of ``max_len`` slots per row
+    (prompt + new tokens + drafts). See the module docstring."""
+
+    def __init__(self, model, max_batch: int = 8, max_len: int = 1024, num_draft_tokens: int = 4,
+                 gate: str = "auto", max_queue: int = 1024, max_loras: int | None = None,
+                 max_cpu_loras: int | None = None, adapter_paths: dict | None = None, draft_vocab=None,
+                 draft_dtype=None, prepack="auto", prefill_chunk: int | None = PREFILL_CHUNK,
+                 max_lora_rank: int = MAX_RANK):
+        """``max_loras``, ``max_cpu_loras``: the bounds of the module docstring (None: none).
+        ``adapter_paths``: {name: local PEFT adapter folder}, for adapters the model has loaded (so
+        that they can be evicted and loaded again) and for others, loaded when a request names them.
+        ``draft_vocab``, ``draft_dtype``: the drafter's options, as generate() takes them (an int
+        vocabulary: the most frequent tokens earlier generate(invisible_lora=True) calls on the
+        model have seen). ``prepack``: the linear layers on prepacked weight copies, as generate() takes it
+        (prepack.py: checked or made when the engine's thread starts). ``prefill_chunk``: the most
+        prompt tokens one prefill pass takes (rows x tokens; None: every prompt in one pass): longer
+        prompts are prefilled in chunks, one between two cycles (the module docstring).
+        ``max_lora_rank``: the largest rank an adapter loaded while serving may have (vLLM's
+        ``max_lora_rank``), checked before anything is allocated for it (files.py)."""
+        check_model(model)
+        check_options(gate, num_draft_tokens, "bank", False, draft_vocab)  # generate()'s own checks of these
+        check_prepack(prepack)
+        check_adapter_state(model, [], mixed=True)  # no dropout in training mode anywhere
+        inner = model.get_base_model()
+        if any(length_dependent(m) for m in inner.modules()):
+            raise ValueError("The serving engine does not support rotary embeddings that depend on the sequence "
+                             "length (dynamic NTK, LongRoPE): their frequencies follow the batch's longest row.")
+        self.model, self.inner = model, inner
+        self.max_batch, self.max_len, self.num_draft_tokens, self.gate_mode = max_batch, max_len, num_draft_tokens, gate
+        self.max_queue = max_queue
+        self.vocab_size = inner.get_input_embeddings().weight.shape[0]  # also under a LoRA or modules_to_save wrapper
+        self.state = state_of(model)
+        self.draft_vocab = fixed_vocabulary(draft_vocab, self.state, inner, self.vocab_size)  # (ids or None, size)
+        self.draft_dtypes = check_draft_dtype(draft_dtype, inner.device)
+        self.prepack = prepack
+        self.error = None  # what stopped the engine's thread, if it failed
+        limit = getattr(inner.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        self.max_positions = limit
+        eos = inner.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_ids = eos  # a request's stop ids: these (unless ignore_eos) and its stop_token_ids
+        self.pad_id = inner.generation_config.pad_token_id or (eos[0] if eos else 0)
+        self._waiting = collections.deque()
+        self._commands = queue.Queue()
+        self._wake = threading.Condition()
+        self._cancelled = set()
+        self._thread = None
+        self._decoder = None  # the engine thread's Decoder while it runs (read by tests)
+        self._running = False
+        self._state_lock = threading.Lock()  # metrics and adapter changes: read from other threads
+        self.max_loras, self.max_cpu_loras = _bound("max_loras", max_loras), _bound("max_cpu_loras", max_cpu_loras)
+        self.prefill_chunk = _bound("prefill_chunk", prefill_chunk)
+        self._chunked = collections.deque()  # [group, slots done]: prompts being prefilled in chunks
+        # Changed on the engine's thread under _wake; submit() reads it under the same lock.
+        self._pool = AdapterPool(model, self.max_cpu_loras, adapter_paths, _bound("max_lora_rank", max_lora_rank))
+        self._adapters = list(self._pool.paths)
+        self._policy = RequestPolicy(max_batch, inner.device)
+        self._rows = Rows(max_batch, self._policy, self._pool, self._count, self.max_len - num_draft_tokens - 1)
+        self.metrics = dict(cycles=0, tokens=0, k_hist=collections.Counter(),
+                            drafted=collections.Counter(), accepted=collections.Counter(), requests=0,
+                            failed_cycles=0, failed_requests=0, loaded_adapters=len(model.peft_config))
+
+    # --- the client side (any thread) ---
+
+    def submit(self, request: Request) -> Handle:
+        """Queue a request; it joins a free row at the next cycle. Bad requests raise ValueError;
+        a full queue raises QueueFull; an engine that is not running (or failed) raises RuntimeError."""
+        self.validate(request)
+        handle = Handle(request, self)
+        with self._wake:
+            if not self.alive:
+                raise NotRunning(f"The engine is not running{f' (it failed: {self.error})' if self.error else ''}.")
+            if request.adapter != BASE and request.adapter not in self._pool:  # unloaded meanwhile
+                raise UnknownAdapter(f"Unknown adapter {request.adapter!r}; served: {list(self._pool.paths)}.")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue}); retry later.")
+            self._waiting.append(handle)
+            self._wake.notify()
+        return handle
+
+    @property
+    def alive(self) -> bool:
+        """The engine's thread is serving."""
+        return self._running and self._thread is not None and self._thread.is_alive()
+
+    def validate(self, request: Request) -> None:
+        """Raise InvalidRequest (a ValueError) naming the field that is wrong with ``request``
+        (request.validate), or UnknownAdapter; normalizes its numbers' types."""
+        validate(request, self.vocab_size, self.max_request_tokens)
+        if request.adapter != BASE and request.adapter not in self._pool:
+            raise UnknownAdapter(f"Unknown adapter {request.adapter!r}; served: {self.adapters()}.")
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most prompt + new tokens a request may have: a row's slots less the drafts' room, and
+        the model's position limit."""
+        return min(self.max_len - self.num_draft_tokens - 1, self.max_positions or self.max_len)
+
+    def stop_ids(self, ignore_eos: bool, stop_token_ids) -> list[int]:
+        """The token ids that end a request: the model's EOS ids (unless ignore_eos) and its stop_token_ids."""
+        return list(dict.fromkeys(([] if ignore_eos else self.eos_ids) + list(stop_token_ids)))
+
+    def adapters(self) -> list[str]:
+        """Every adapter the engine serves, loaded or evicted (loaded again when a request names it)."""
+        with self._state_lock:
+            return list(self._adapters)
+
+    def metrics_snapshot(self) -> dict:
+        """A copy of ``metrics`` (the engine's thread updates it every cycle), with the adapter
+        pool's ``loads`` and ``evictions``."""
+        with self._state_lock:
+            return {**{k: dict(v) if isinstance(v, dict) else v for k, v in self.metrics.items()},
+                    "loads": self._pool.loads, "evictions": self._pool.evictions}
+
+    def _count(self, **added) -> None:
+        with self._state_lock:
+            for name, n in added.items():
+                self.metrics[name] += n
+
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    def adapters_in_use(self) -> tuple[list[str], list[str]]:
+        """(the adapters of the requests in rows, those of the waiting requests), each name once in
+        order of first use, the base model's rows left out: what a router reads for adapter affinity."""
+        with self._wake:
+            waiting = [h.request.adapter for h in self._waiting]
+        return [list(dict.fromkeys(a for a in names if a != BASE)) for names in (self._rows.adapters(), waiting)]
+
+    def running(self) -> int:
+        return len(self._rows.taken())
+
+    def load_adapter(self, name: str, path: str, timeout: float = 600, roots=None) -> None:
+        """Load a PEFT adapter between cycles (adapter_pool.py: its folder read inside ``roots``, the
+        real paths its files may be read under, None: anywhere; its name checked, check_name). One
+        the engine cannot read or serve is refused with AdapterUnsupported (a ValueError), one PEFT
+        fails to load with PEFT's error; either way the model is as it was. Past ``max_cpu_loras``
+        the least recently used idle adapter is evicted; if every other one is in use, this one is
+        (it stays served, loaded when a request names it)."""
+        check_name(name)
+
+        def load():
+            if name == BASE or name in self._pool:
+                raise AdapterExists(f"An adapter named {name!r} is already served (or reserved).")
+            self._pool.load(name, os.fspath(path), roots)
+            with self._wake:
+                self._pool.paths[name] = os.fspath(path)
+            self._fit(name, idle=True)
+        self._command(load, timeout)
+
+    def unload_adapter(self, name: str, timeout: float = 600) -> None:
+        """Unload an adapter between cycles (an evicted one too: the engine forgets it); refused while
+        a request uses it, and for the last one loaded."""
+        def unload():
+            with self._wake:  # submit() checks the adapter and queues a request under the same lock
+                if name not in self._pool:
+                    raise UnknownAdapter(f"No adapter named {name!r} is served; served: {list(self._pool.paths)}.")
+                if self._pool.loaded(name) and len(self.model.peft_config) == 1:
+                    raise LastAdapter(f"{name!r} is the last adapter loaded; a PEFT model keeps at least one.")
+                busy = [a for a in [h.request.adapter for h in self._waiting] + self._rows.adapters() if a == name]
+                if busy:
+                    raise AdapterBusy(f"Adapter {name!r} is in use by {len(busy)} request(s); unload it when they "
+                                       "are done.")
+                self._pool.forget(name)
+        self._command(unload, timeout)
+
+    def _command(self, fn, timeout):
+        if not self.alive:
+            raise NotRunning("The engine is not running.")
+        done, box = threading.Event(), {}
+        with self._wake:
+            self._commands.put((fn, done, box))
+            self._wake.notify()
+        if not done.wait(timeout):
+            raise TimeoutError("the engine did not run the command in time")
+        if "error" in box:
+            raise box["error"]
+
+    def _cancel(self, handle: Handle) -> None:
+        with self._wake:
+            if handle in self._waiting:
+                self._waiting.remove(handle)
+                handle._finish("cancelled")
+            else:
+                self._cancelled.add(handle.request.id)
+            self._wake.notify()
+
+    def start(self) -> "Engine":
+        release_openmp_threads()
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="hf_invisiblelora-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 60) -> None:
+        """Stop serving; requests still waiting or decoding finish as "cancelled"."""
+        with self._wake:
+            self._running = False
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._wake:
+            for h in list(self._waiting) + [h for _, h in self._rows.taken()]:
+                h._finish("cancelled")
+            self._waiting.clear()
+        self._fail_commands(NotRunning("The engine stopped before running the command."))
+
+    def _fail_commands(self, error: Exception) -> None:
+        while not self._commands.empty():
+            _, done, box = self._commands.get()
+            box["error"] = error
+            done.set()
+
+    # --- the engine's thread ---
+
+    def _session(self) -> Session:
+        """The decoder's assembly (session.py): every row its own request (RequestPolicy) and adapter."""
+        vocab, size = self.draft_vocab
+        drafters = [BaseModelDrafter(self.model, self.state, vocab, d, size=size) for d in self.draft_dtypes]
+        return Session(self.model, self.state, self._policy, capacity=self.max_batch, width=self.max_len, mixed=True,
+                       lora_backend=lora_backend(self.model, self.model.peft_config), gate=self.gate_mode,
+                       num_draft_tokens=self.num_draft_tokens, drafters=drafters, prepack=self.prepack,
+                       pad_id=self.pad_id, history=False,
+                       eos=torch.full((self.max_batch, max(len(self.eos_ids), 1)), -1, device=self.inner.device))
+
+    def _run(self) -> None:
+        try:
+            with self.state.hold(), torch.no_grad():
+                session = self._session()
+                self._decoder = session.decoder
+                while self._running:
+                    with session.installed() as decoder:
+                        needed = self._serve(decoder)
+                    if self._run_commands() | self._reload(needed):
+                        session.renew_lora(self.model, lora_backend(self.model, self.model.peft_config))
+                        return_freed_memory()
+        except Exception as e:  # noqa: BLE001 - every request learns the engine failed
+            logger.exception("hf_invisiblelora engine failed")
+            self.error = f"{type(e).__name__}: {e}"
+            with self._wake:
+                self._running = False
+                for h in list(self._waiting) + [h for _, h in self._rows.taken()]:
+                    h._finish("error", self.error)
+                self._waiting.clear()
+            self._fail_commands(NotRunning(f"The engine failed: {self.error}"))
+
+    def _serve(self, decoder: Decoder) -> str | None:
+        """Cycles until a command (an adapter change) arrives, the engine stops, or the first
+        waiting request needs an evicted adapter loaded (its name is returned)."""
+        while True:
+            with self._wake:
+                while self._running and self._commands.empty() and not self._waiting and not self.running():
+                    self._wake.wait()
+            if not self._commands.empty() or not self._running:
+                return None
+            with self._wake:
+                cancelled, self._cancelled = self._cancelled, set()
+            self._rows.drop(decoder, cancelled)
+            needed = self._admit(decoder)
+            if needed is not None:
+                return needed
+            if self._chunked:  # one chunk between two cycles
+                self._next_chunk(decoder)
+            if decoder.batch.active:
+                self._cycle(decoder)
+
+    def _cycle(self, decoder: Decoder) -> None:
+        """One decoder cycle over the active rows, then delivery. If it raises, the requests in it
+        end with "error" and the engine serves on (``Rows.fail``)."""
+        try:
+            before = list(zip(decoder.drafted, decoder.accepted))
+            kept = decoder.cycle()
+            with self._state_lock:
+                m = self.metrics
+                m["cycles"] += 1
+                m["k_hist"][decoder.k] += 1
+                for r, h in self._rows.taken():  # drafted / accepted per adapter, as they happen
+                    m["drafted"][h.request.adapter] += decoder.drafted[r] - before[r][0]
+                    m["accepted"][h.request.adapter] += decoder.accepted[r] - before[r][1]
+        except Exception as e:  # noqa: BLE001 - every row of the cycle is involved; the engine serves on
+            # Rows waiting for their prompt's chunks were not in it: a cycle writes their slots only
+            # from their last prompt slot on, which their last chunk writes again.
+            self._rows.fail(decoder, [(r, h) for r, h in self._rows.taken() if not decoder.waiting[r]], "decoding", e)
+            return
+        self._rows.deliver(decoder, kept)
+
+    def _run_commands(self) -> bool:
+        """Run the queued adapter changes; True if one took effect (a refused or failed one changes nothing)."""
+        changed = False
+        while not self._commands.empty():
+            fn, done, box = self._commands.get()
+            try:
+                fn()  # not under _state_lock: readers of adapters() and metrics must not wait for a load
+                changed = True
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+            self._publish_adapters()
+            done.set()
+        return changed
+
+    def _publish_adapters(self) -> None:
+        with self._state_lock:
+            self._adapters = list(self._pool.paths)
+            self.metrics["loaded_adapters"] = len(self.model.peft_config)
+
+    # --- bounded adapters (the engine's thread; the pool is adapter_pool.py) ---
+
+    def _fit(self, loaded: str, idle: bool) -> None:
+        """After loading ``loaded``: evict one adapter if that makes one more than max_cpu_loras (AdapterPool.fit)."""
+        self._pool.fit(loaded, set(self._rows.adapters()),
+                       {h.request.adapter for h in self._waiting}, idle)
+
+    def _reload(self, name: str | None) -> bool:
+        """Load the evicted adapter ``name`` that the first waiting request needs (``scheduling.pick`` saw
+        room for it); True if it was loaded. If that fails, the requests waiting for it end with
+        "error" (it stays served: a later request tries again)."""
+        if name is None or name not in self._pool or self._pool.loaded(name):  # unloaded meanwhile
+            return False
+        try:
+            self._pool.load(name, self._pool.paths[name])
+            self._fit(name, idle=False)
+        except Exception as e:  # noqa: BLE001 - only the requests for this adapter are involved
+            logger.exception("hf_invisiblelora engine: loading adapter %r again failed", name)
+            with self._wake:
+                failed = [h for h in self._waiting if h.request.adapter == name]
+                for h in failed:
+                    self._waiting.remove(h)
+                    h._finish("error", f"loading adapter {name!r} failed: {type(e).__name__}: {e}")
+            self._count(failed_requests=len(failed))
+            return self._pool.loaded(name)
+        finally:
+            self._publish_adapters()
+        return True
+
+    def _admit(self, decoder: Decoder) -> str | None:
+        """Waiting requests take the free rows (scheduling.pick), in prefill groups that fit; returns the
+        evicted adapter to load before the first waiting request can join, or None."""
+        free = self._rows.free()
+        if not free:
+            return None
+        with self._wake:
+            picked, needed = pick(self._waiting, self._rows.most_left(decoder), len(free), self.max_loras, self._pool)
+            for h in picked:
+                self._waiting.remove(h)
+        joining = list(zip(free, picked))
+        if not joining:
+            return needed
+        try:
+            groups = prefill_groups(joining, self.max_len - self.num_draft_tokens - 1)
+        except Exception as e:  # noqa: BLE001 - the joining requests are involved
+            self._rows.fail(decoder, joining, "admission", e)
+            return needed
+        for group in groups:
+            self._prefill(decoder, group)
+        return needed
+
+    def _prefill(self, decoder: Decoder, group: list) -> None:
+        """A group's prefill (Decoder.admit): in one pass, then delivery of their first tokens; or, when
+        its prompt tokens are more than ``prefill_chunk``, its rows loaded and queued for their chunks
+        (``_next_chunk``). If it raises, the group's requests end with "error" and the engine serves
+        on (``Rows.fail``)."""
+        self._rows.take(group)
+        try:
+            ids, mask = left_padded([h.request.prompt for _, h in group], self.pad_id, self.inner.device)
+            width = ids.shape[1]
+            for r, h in group:
+                stops = self.stop_ids(h.request.ignore_eos, h.request.stop_token_ids)
+                decoder.set_stops(r, stops)
+                self._policy.set_request(r, h.request, stops)
+            chunked = self.prefill_chunk is not None and len(group) * width > self.prefill_chunk and decoder.chunkable
+            # max_tokens 0 (the prompt's log-probabilities only): decoded as 1, nothing delivered (Rows.deliver)
+            kept = decoder.admit([r for r, _ in group], ids, mask, prompt_positions(mask, ids),
+                                 [max(h.request.max_tokens, 1) for _, h in group],
+                                 [h.request.adapter for _, h in group], upto=0 if chunked else None)
+        except Exception as e:  # noqa: BLE001 - only the group is involved; the rows decoding go on
+            self._rows.fail(decoder, group, "prefill", e)
+            return
+        if kept is None:
+            self._chunked.append([group, 0])
+            return
+        self._rows.prefilled(decoder, group, kept)
+
+    def _next_chunk(self, decoder: Decoder) -> None:
+        """The next chunk of the oldest group being prefilled in chunks (its requests still in their
+        rows: cancelled ones are gone); its last chunk delivers the rows' first tokens."""
+        entry = self._chunked[0]
+        group, done = entry
+        group = entry[0] = [(r, h) for r, h in group if self._rows.handles[r] is h]
+        if not group:
+            self._chunked.popleft()
+            return
+        end = min(done + max(self.prefill_chunk // len(group), 1), decoder.batch.plen_h[group[0][0]])
+        try:
+            kept = decoder.prefill([r for r, _ in group], done, end)
+        except Exception as e:  # noqa: BLE001 - only the group is involved
+            self._chunked.popleft()
+            self._rows.fail(decoder, group, "prefill", e)
+            return
+        entry[1] = end
+        if kept is not None:
+            self._chunked.popleft()
+            self._rows.prefilled(decoder, group, kept)

@@ -1,0 +1,72 @@
+"""The model's LoRA layers as PEFT holds them, its linear layers, and the name of "no adapter".
+
+Walking a model with many adapters costs tens of ms (thousands of modules), so the walk is kept
+in the model's state and redone only when the adapters PEFT lists (peft_config: names and
+configs) change, which is when LoRA layers come and go. A module a user puts in place of another
+between such changes is not routed by our passes: it computes as it is (exact, not faster).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from peft.tuners.lora import LoraLayer
+from peft.utils.other import ModulesToSaveWrapper
+from torch import nn
+
+from .state import state_of
+
+BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
+
+
+class Walk(NamedTuple):
+    config: tuple  # peft_config items when walked
+    lora: list  # (name, LoRA layer)
+    modules: list  # every module
+    linears: list  # every nn.Linear but the adapters' lora_A / lora_B (base layers, heads, saved copies)
+    saved: set  # every module inside the adapters' modules_to_save copies (the base model never runs them)
+
+
+def _walk(model) -> Walk:
+    """The model's modules as the module docstring says, walked again when its adapters change."""
+    state = state_of(model)
+    config = tuple((getattr(model, "peft_config", None) or {}).items())
+    if state.layers is None or state.layers.config != config:
+        named = list(model.named_modules())
+        modules = [m for _, m in named]
+        lora = [(n, m) for n, m in named if isinstance(m, LoraLayer)]
+        inside = {sub for _, m in lora for d in (m.lora_A, m.lora_B) for sub in d.values()}
+        saved = {c for m in modules if isinstance(m, ModulesToSaveWrapper)
+                 for copy in m.modules_to_save.values() for c in copy.modules()}
+        state.layers = Walk(config, lora, modules, [m for m in modules if type(m) is nn.Linear and m not in inside],
+                            saved)
+    return state.layers
+
+
+def named_lora_layers(model) -> list:
+    """(name, layer) of every PEFT LoRA layer (see _walk)."""
+    return _walk(model).lora
+
+
+def all_modules(model) -> list:
+    return _walk(model).modules
+
+
+def linears(model) -> list:
+    """Every ``nn.Linear`` of the model but the adapters' own lora_A / lora_B (see Walk)."""
+    return _walk(model).linears
+
+
+def adapter_copies(model) -> set:
+    """Every module inside the adapters' modules_to_save copies (see Walk)."""
+    return _walk(model).saved
+
+
+def lora_layers(model) -> list:
+    return [m for _, m in named_lora_layers(model)]
+
+
+def layer_adapters(m) -> list:
+    """The adapters with weights in LoRA layer ``m``, in PEFT's order (its Embedding keeps them in
+    lora_embedding_A)."""
+    return [*m.lora_A, *m.lora_embedding_A]
