@@ -20,8 +20,9 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
-import common  # noqa: F401 - puts tests/ on the import path
 from arch_sweep import causal_lm_architectures, classify, dynamic_rope, sweep_verdict
+
+import common  # noqa: F401 - puts tests/ on the import path
 
 HEADER = """# What is supported
 

@@ -1,4 +1,4 @@
-"""What checking the derived copies against their sources costs per call (hf_invisiblelora/derived.py).
+"""What checking the derived copies against their sources costs per call (hf_invisiblelora/model/derived.py).
 
 On the real SmolLM2-135M-Instruct (float32) with four random adapters of the zoo's kinds (r8
 attention, r32 rslora all-linear, r4 q/v, r16 MLP), copies made by a warm call: the digests of
@@ -19,18 +19,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
-from common import machine, timed  # noqa: E402
-
 import hf_invisiblelora  # noqa: E402,F401
+from common import machine, timed  # noqa: E402
 from hf_invisiblelora import zoo  # noqa: E402
-from hf_invisiblelora.bank import get_bank  # noqa: E402
-from hf_invisiblelora.derived import SourceCheck  # noqa: E402
-from hf_invisiblelora.drafters import BaseModelDrafter  # noqa: E402
-from hf_invisiblelora.lora import linears  # noqa: E402
-from hf_invisiblelora.policies import GeneratePolicy  # noqa: E402
-from hf_invisiblelora.prepack import PackedLinears  # noqa: E402
-from hf_invisiblelora.session import Session  # noqa: E402
-from hf_invisiblelora.state import state_of  # noqa: E402
+from hf_invisiblelora.decode.drafters import BaseModelDrafter  # noqa: E402
+from hf_invisiblelora.decode.policies import GeneratePolicy  # noqa: E402
+from hf_invisiblelora.decode.session import Session  # noqa: E402
+from hf_invisiblelora.lora.bank import get_bank  # noqa: E402
+from hf_invisiblelora.model.derived import SourceCheck  # noqa: E402
+from hf_invisiblelora.model.prepack import PackedLinears  # noqa: E402
+from hf_invisiblelora.model.state import state_of  # noqa: E402
+from hf_invisiblelora.model.walk import linears  # noqa: E402
 from tiny import LINEAR, with_adapters  # noqa: E402
 
 ADAPTERS = {

@@ -38,6 +38,7 @@ import torch
 from transformers import BatchEncoding
 
 import hf_invisiblelora  # noqa: F401  (generate(invisible_lora=True))
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
 from common import machine, sync
 from tiny import synthetic_zoo
@@ -52,9 +53,9 @@ CONFIGS = {
     "gate": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False),
     # The baseline again, as a control: its ratio to the baseline is the run's noise (an A/A test).
     "control": dict(invisible_lora=True, gate="never", compile=False),
-    # The baseline with PyTorch's own linear kernels (no prepacked weights: hf_invisiblelora/prepack.py).
+    # The baseline with PyTorch's own linear kernels (no prepacked weights: hf_invisiblelora/model/prepack.py).
     "baseline_unpacked": dict(invisible_lora=True, gate="never", compile=False, prepack=False),
-    # Cheaper drafters (hf_invisiblelora/drafters.py): the head on a vocabulary from the zoo's training
+    # Cheaper drafters (hf_invisiblelora/decode/drafters.py): the head on a vocabulary from the zoo's training
     # text (--draft-vocab tokens), bfloat16 draft weights, both.
     "gate_vocab": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus"),
     "gate_bf16": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_dtype=torch.bfloat16),
@@ -240,10 +241,10 @@ def acceptance(model, encode, names, prompts_for, per_adapter, new_tokens, draft
 
 def bound(model, encode, names, prompts_for, batch, repeats):
     """(T_base + T_lora) / T_base: one LoRA-on plain step over one LoRA-off step, bank kernels."""
-    from hf_invisiblelora.bank import get_bank
-    from hf_invisiblelora.context import PassContext
-    from hf_invisiblelora.drafters import BaseModelDrafter
-    from hf_invisiblelora.state import state_of
+    from hf_invisiblelora.decode.drafters import BaseModelDrafter
+    from hf_invisiblelora.lora.bank import get_bank
+    from hf_invisiblelora.model.context import PassContext
+    from hf_invisiblelora.model.state import state_of
 
     rows, enc = workload(encode, names, prompts_for, len(names), batch)
     bank = get_bank(model)

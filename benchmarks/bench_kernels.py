@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from hf_invisiblelora.bank import get_bank
-from hf_invisiblelora.context import PassContext
+from hf_invisiblelora.lora.bank import get_bank
+from hf_invisiblelora.model.context import PassContext
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
 from common import machine, timed
 from tiny import LINEAR, SMOLLM2_135M, smollm2_shaped

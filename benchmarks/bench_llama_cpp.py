@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 
 import hf_invisiblelora  # noqa: F401  (generate(invisible_lora=True))
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
 from common import machine
-
 from hf_invisiblelora.zoo import assets, load_zoo, mixed_prompts, zoo_dir
 
 CACHE = assets.home() / "llama_cpp"

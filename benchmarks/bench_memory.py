@@ -43,8 +43,8 @@ import psutil
 import torch
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora import engine as engine_module
-from hf_invisiblelora.engine import Engine, Request
+from hf_invisiblelora.engine import Engine, Request, engine as engine_module
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
 from common import machine
 

@@ -47,6 +47,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_invisiblelora  # noqa: F401  (generate(invisible_lora=True))
 from hf_invisiblelora.engine import PREFILL_CHUNK, Engine, Request
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
 from common import machine, sync
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora.bank import get_bank
-from hf_invisiblelora.state import state_of
+from hf_invisiblelora.lora.bank import get_bank
+from hf_invisiblelora.model.state import state_of
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
 from common import machine, timed
 from tiny import synthetic_zoo

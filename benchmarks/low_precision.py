@@ -26,10 +26,12 @@ import torch
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora import zoo
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
 from common import machine
-from tiny import all_near_ties, divergences
 from hf_invisiblelora.zoo.demo import DEMO_ADAPTERS
+from tiny import all_near_ties, divergences
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

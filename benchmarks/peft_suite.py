@@ -202,7 +202,13 @@ VOCAB = 128
 def _configs():
     """Hub id -> (short name, config factory). Tiny sizes; layer counts as the tests expect (2)."""
     from transformers import (
-        Gemma3TextConfig, GPT2Config, GPTJConfig, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config,
+        Gemma3TextConfig,
+        GPT2Config,
+        GPTJConfig,
+        LlamaConfig,
+        MistralConfig,
+        OPTConfig,
+        Qwen2Config,
     )
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -439,8 +445,9 @@ class Recorder:
 
     # ---- installation
     def install(self):
-        import hf_invisiblelora  # noqa: F401 - wraps generate of both PEFT classes (invisible_lora=True)
         from peft import PeftModel, PeftModelForCausalLM
+
+        import hf_invisiblelora  # noqa: F401 - wraps generate of both PEFT classes (invisible_lora=True)
 
         for cls in (PeftModel, PeftModelForCausalLM):
             wrapped = cls.__dict__["generate"]  # hf_invisiblelora's wrapper around stock

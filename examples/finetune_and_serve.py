@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 from transformers.utils import logging as transformers_logging
 
 import hf_invisiblelora  # lets PEFT models' generate() accept invisible_lora=True
-from hf_invisiblelora.stats import rate
+from hf_invisiblelora.decode.stats import rate
 from hf_invisiblelora.threads import set_threads
 from hf_invisiblelora.zoo import assets, corpora
 

@@ -48,8 +48,8 @@ def _quiet_imports():
 _kernels_from_source()
 with _quiet_imports():
     from .api import InvisibleLoRAOutput, generate, install, warm_up
-    from .state import state_of
-    from .stats import DecodingStats
+    from .decode.stats import DecodingStats
+    from .model.state import state_of
 
 install()
 

@@ -16,12 +16,10 @@ from dataclasses import dataclass
 import torch
 from peft import PeftModel, PeftModelForCausalLM
 from peft.tuners.lora.model import _adapter_names_pre_forward_hook
-from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .adapters import bank_inexact
-from .bank import get_bank
-from .checks import (
+from .decode.checks import (
     check_adapter_state,
     check_cache,
     check_call,
@@ -30,19 +28,26 @@ from .checks import (
     check_options,
     resolve_adapter_names,
 )
-from .drafters import BaseModelDrafter, check_dtype as check_draft_dtype, check_vocabulary, observe as observe_tokens, \
-    vocabulary as drafter_vocabulary
-from .forward import backend_for, warmed
-from .layout import prompt_positions
-from .lora import BASE
-from .policies import GeneratePolicy
-from .prepack import check_mode as check_prepack
-from .processors import ScoreHistory, reads_scores, split_criteria, step_outputs
-from .rotary import Recompute, length_dependent, recompute_slot
-from .saved_modules import saves_modules
-from .session import Session, lora_backend as choose_lora_backend
-from .state import state_of
-from .stats import DecodingStats
+from .decode.drafters import (
+    BaseModelDrafter,
+    check_dtype as check_draft_dtype,
+    check_vocabulary,
+    observe as observe_tokens,
+    vocabulary as drafter_vocabulary,
+)
+from .decode.policies import GeneratePolicy
+from .decode.processors import ScoreHistory, reads_scores, split_criteria, step_outputs
+from .decode.session import Session, lora_backend as choose_lora_backend
+from .decode.stats import DecodingStats
+from .lora.bank import get_bank
+from .lora.saved_modules import saves_modules
+from .lora.switch import bank_inexact
+from .model.forward import backend_for, warmed
+from .model.layout import prompt_positions
+from .model.prepack import check_mode as check_prepack
+from .model.rotary import Recompute, length_dependent, recompute_slot
+from .model.state import state_of
+from .model.walk import BASE
 
 logger = logging.getLogger("hf_invisiblelora")
 OPTIONS = ("num_draft_tokens", "gate", "lora_backend", "generator", "compile", "draft_vocab", "draft_dtype")  # generate() keywords that only InvisibleLoRA reads
@@ -213,7 +218,7 @@ def decode(call: Call, inner, input_ids, logits_processor, stopping_criteria, ge
         capacity=b, width=width, mixed=call.mixed, lora_backend=call.lora_backend, gate=call.gate,
         num_draft_tokens=num_draft_tokens, drafters=drafters, compile_backend=backend, length=length,
         prepack=call.prepack, span=b, pad_id=pad_id, eos=None if eos is None else eos.to(input_ids.device),
-        criteria=stopping.criteria, freeze=stopping.pads, timed=stopping.timed,
+        criteria=stopping.criteria, freeze=stopping.pads, time_limits=stopping.time_limits,
         recompute=None if slot is None else Recompute(slot, b), scores=history,
         keep_prefill=want_scores or want_logits,
     )
@@ -222,14 +227,14 @@ def decode(call: Call, inner, input_ids, logits_processor, stopping_criteria, ge
     if past:  # a continued cache: its keys and values at their slots, the prefill starts after them
         fwd.cache.load(given, b)
     with session.installed() as decoder:
-        kept = decoder.admit(list(range(b)), input_ids, mask, positions, [max_new] * b, rows, cached=past)
+        committed = decoder.admit(list(range(b)), input_ids, mask, positions, [max_new] * b, rows, cached=past)
         while True:
-            if streamer is not None and kept[0]:
+            if streamer is not None and committed[0]:
                 end = prompt_len + decoder.batch.gen_h[0]
-                streamer.put(decoder.batch.tokens[0, end - kept[0] : end].cpu())
+                streamer.put(decoder.batch.tokens[0, end - committed[0] : end].cpu())
             if not decoder.batch.active:
                 break
-            kept = decoder.cycle()
+            committed = decoder.cycle()
         new = decoder.output_length()
         sequences = decoder.sequences(list(range(b)), prompt_len + new, pad_id)
         observe_tokens(state, sequences, vocab_size)  # the draft vocabulary follows what is seen

@@ -17,8 +17,8 @@ import warnings
 
 import torch
 
-from hf_invisiblelora.lora import lora_layers
-from hf_invisiblelora.rotary import length_dependent
+from hf_invisiblelora.model.rotary import length_dependent
+from hf_invisiblelora.model.walk import lora_layers
 from tiny import EOS, PAD, prompts, with_adapters
 
 # Target sizes. 4 heads x 16 = 64 hidden; 2 KV heads keep grouped-query attention grouped.

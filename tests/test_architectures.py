@@ -16,7 +16,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from arch_sweep import causal_lm_architectures, dynamic_rope, sweep_verdict
 
 SUPPORT = Path(__file__).resolve().parent.parent / "docs" / "support.md"

@@ -7,10 +7,10 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from hf_invisiblelora import lora_forward
-from hf_invisiblelora.bank import get_bank
-from hf_invisiblelora.checks import check_model
-from hf_invisiblelora.context import PassContext
+from hf_invisiblelora.decode.checks import check_model
+from hf_invisiblelora.lora import layer as lora_layer
+from hf_invisiblelora.lora.bank import get_bank
+from hf_invisiblelora.model.context import PassContext
 from tiny import COMMON, tiny_peft
 
 VOCAB = 101
@@ -26,7 +26,7 @@ ADAPTERS = {
 @pytest.fixture(autouse=True, params=["packed", "gathered"])
 def path(request, monkeypatch):
     """Every test on both torch paths: the packed one (decode steps) and the gathered one (prefills)."""
-    monkeypatch.setattr(lora_forward, "PACKED_WASTE", 10**9 if request.param == "packed" else -1)
+    monkeypatch.setattr(lora_layer, "PACKED_WASTE", 10**9 if request.param == "packed" else -1)
     return request.param
 
 
@@ -182,7 +182,7 @@ def test_siblings_share_one_shrink_only_for_the_same_input(monkeypatch, path):
     pm = build(adapters={"chat": ADAPTERS["chat"], "code": ADAPTERS["code"]})  # chat: all 7 modules
     bank = get_bank(pm)
     shrinks = []
-    owner, name = (bank.ops, "lora_shrink") if path == "gathered" else (lora_forward, "packed_shrink")
+    owner, name = (bank.ops, "lora_shrink") if path == "gathered" else (lora_layer, "packed_shrink")
     real = getattr(owner, name)
     monkeypatch.setattr(owner, name, lambda *a, **k: shrinks.append(1) or real(*a, **k))
     names = ["code", "chat"]

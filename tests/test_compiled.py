@@ -9,9 +9,9 @@ import torch
 from peft.tuners.lora.layer import LoraLayer
 from torch._dynamo.utils import counters
 
-from hf_invisiblelora import forward as compiled
-from hf_invisiblelora.bank import get_bank
-from hf_invisiblelora.state import state_of
+from hf_invisiblelora.lora.bank import get_bank
+from hf_invisiblelora.model import forward as compiled
+from hf_invisiblelora.model.state import state_of
 from tiny import all_near_ties, divergences, prompts, tiny_peft
 
 ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]  # 7 rows: padded to a bucket of 8

@@ -21,7 +21,7 @@ from transformers import (
 )
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora.lora import lora_layers
+from hf_invisiblelora.model.walk import lora_layers
 from tiny import ADAPTERS, COMMON, PAD, prompts, tiny_peft, with_adapters
 
 ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]

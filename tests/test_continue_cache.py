@@ -7,10 +7,10 @@ import copy
 
 import pytest
 import torch
+from test_errors import assert_unchanged, snapshot
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, QuantizedCache, StaticCache
 
 import hf_invisiblelora  # noqa: F401  (makes generate() accept invisible_lora=True)
-from test_errors import assert_unchanged, snapshot
 from tiny import ADAPTERS, COMMON, PAD, prompts, tiny_peft, with_adapters
 
 ROWS = ["s", "b", "__base__", "c", "d", "__base__"]

@@ -1,4 +1,4 @@
-"""Derived copies follow their source (hf_invisiblelora/derived.py), by every route of change.
+"""Derived copies follow their source (hf_invisiblelora/model/derived.py), by every route of change.
 
 For each kind of copy (prepacked weights, DoRA column scales, the bank's stacks, low-bit draft
 weights and a restricted draft head), each of its sources is changed by each route users take
@@ -13,14 +13,14 @@ proposes nothing there, greedy output and the sampled distribution are stock's.
 
 import pytest
 import torch
+from test_dora_embedding import DORA, alone, assert_rows_equal, build
 
 import hf_invisiblelora  # noqa: F401  (generate(..., invisible_lora=True))
-from hf_invisiblelora import derived
-from hf_invisiblelora.drafters import low_precision_linear
+from hf_invisiblelora.decode.drafters import low_precision_linear
 from hf_invisiblelora.kernels import packed_linear
-from hf_invisiblelora.lora import linears
-from hf_invisiblelora.state import state_of
-from test_dora_embedding import DORA, alone, assert_rows_equal, build
+from hf_invisiblelora.model import derived
+from hf_invisiblelora.model.state import state_of
+from hf_invisiblelora.model.walk import linears
 from tiny import PAD, all_near_ties, chi_square_p, divergences, prompts, tiny_peft
 
 ROWS = ["s", "b", "__base__", "c", "d", "b"]

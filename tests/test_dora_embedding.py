@@ -11,13 +11,13 @@ import contextlib
 import pytest
 import torch
 
-from hf_invisiblelora import lora_forward
-from hf_invisiblelora.bank import get_bank
-from hf_invisiblelora.context import PassContext
-from hf_invisiblelora.drafters import BaseModelDrafter
+from hf_invisiblelora.decode.drafters import BaseModelDrafter
 from hf_invisiblelora.engine import Engine, Request
-from hf_invisiblelora.lora import BASE
-from hf_invisiblelora.state import state_of
+from hf_invisiblelora.lora.bank import get_bank
+from hf_invisiblelora.model.context import PassContext
+from hf_invisiblelora.model.state import state_of
+from hf_invisiblelora.lora import layer as lora_layer
+from hf_invisiblelora.model.walk import BASE
 from tiny import ARCHS, PAD, prompts, tiny_peft, with_adapters
 
 DORA = {
@@ -98,7 +98,7 @@ def assert_rows_equal(batch, rows):
 @pytest.fixture(params=["packed", "gathered"])
 def path(request, monkeypatch):
     """Both torch paths: the packed one (decode steps) and the gathered one (prefills)."""
-    monkeypatch.setattr(lora_forward, "PACKED_WASTE", 10**9 if request.param == "packed" else -1)
+    monkeypatch.setattr(lora_layer, "PACKED_WASTE", 10**9 if request.param == "packed" else -1)
 
 
 def bank_logits(model, ids, names, mixed=True, draft=False):

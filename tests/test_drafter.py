@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora import lora
-from hf_invisiblelora.state import state_of
+from hf_invisiblelora.model import walk as lora
+from hf_invisiblelora.model.state import state_of
 from tiny import chi_square_p, prompts, tiny_peft
 
 ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]
@@ -53,7 +53,7 @@ def test_several_drafters_each_draft_and_learn_their_own_acceptance():
 def test_drafters_installed_together_keep_their_weights(monkeypatch):
     """int8 and int4 drafters in one call each make their quantized copies once: a later call reuses
     both (a shared slot per module made each evict the other, re-quantizing the model every call)."""
-    from hf_invisiblelora import drafters
+    from hf_invisiblelora.decode import drafters
 
     made = []
     real = drafters.low_precision_linear
@@ -128,7 +128,7 @@ def test_bad_options(kw, message):
 def test_weight_only_drafters_run_their_kernels(monkeypatch, dtype, kernel, tolerance):
     """Weight-only int8 / int4 draft layers: close to the float layer (not equal: quantized), and
     the draft passes of a call run the kernel (so the option is not silently the full drafter)."""
-    from hf_invisiblelora.drafters import low_precision_linear
+    from hf_invisiblelora.decode.drafters import low_precision_linear
 
     g = torch.Generator().manual_seed(0)
     weight, bias, x = torch.randn(48, 64, generator=g), torch.randn(48, generator=g), torch.randn(3, 5, 64, generator=g)

@@ -375,7 +375,7 @@ def quiet(engine, timeout=30):
         time.sleep(0.005)
     decoder = engine._decoder
     assert all(decoder.batch.done_h) and decoder.names == [None] * engine.max_batch
-    assert decoder.policy.requests == [None] * engine.max_batch and engine._rows.handles == [None] * engine.max_batch
+    assert decoder.policy.rows == [None] * engine.max_batch and engine._rows.handles == [None] * engine.max_batch
 
 
 def test_requests_admitted_together_fit_their_rows(model, monkeypatch):
@@ -384,7 +384,7 @@ def test_requests_admitted_together_fit_their_rows(model, monkeypatch):
     max_tokens + K + 1 overflowed max_len (an IndexError in the layout) and the engine's thread
     died: both failed and every later submit raised NotRunning. Now they are prefilled in groups
     whose rows fit; one that fits beside the long prompt joins its group."""
-    from hf_invisiblelora.decoding import Decoder
+    from hf_invisiblelora.decode.decoder import Decoder
 
     groups = []
     admit = Decoder.admit
@@ -419,7 +419,9 @@ def test_a_failing_step_ends_only_its_requests(model, monkeypatch, caplog):
     the rows are freed and reset, the other requests go on, and later requests decode exactly."""
     import logging
 
-    from hf_invisiblelora import decoding, engine as engine_module, layout
+    from hf_invisiblelora.decode import decoder as decoding
+    from hf_invisiblelora.engine import engine as engine_module
+    from hf_invisiblelora.model import layout
 
     armed = set()
 
@@ -520,7 +522,7 @@ def test_failures_are_in_the_metrics_endpoint(model):
 def spy_passes(monkeypatch):
     """Record the decoder's prefill passes (rows, first slot, end slot, the rows decoding meanwhile, the
     prompt's slots) and its cycles (the rows decoding)."""
-    from hf_invisiblelora.decoding import Decoder
+    from hf_invisiblelora.decode.decoder import Decoder
 
     log, prefill, cycle = [], Decoder.prefill, Decoder.cycle
 
@@ -663,7 +665,7 @@ def saved(tmp_path_factory):
 def evictions(monkeypatch, engine):
     """Record each adapter the engine deletes from the model, with the adapters of the batch's rows and
     of the waiting requests at that moment."""
-    from hf_invisiblelora import adapter_pool
+    from hf_invisiblelora.engine import adapter_pool
 
     seen, delete = [], adapter_pool.remove_adapter
 
@@ -704,7 +706,7 @@ def test_lru_eviction_and_loading_on_demand(model, saved, monkeypatch):
 def test_max_loras_bounds_every_pass(model, saved, monkeypatch):
     """No prefill or cycle has more than max_loras distinct adapters among its rows (the base model
     is none); every request decodes exactly, with adapters evicted and loaded again as they come."""
-    from hf_invisiblelora.decoding import Decoder
+    from hf_invisiblelora.decode.decoder import Decoder
 
     passes = []
     admit, cycle = Decoder.admit, Decoder.cycle
@@ -743,7 +745,7 @@ def test_a_request_waiting_for_an_adapter_slot_is_not_overtaken(model, monkeypat
     """max_loras=1: a request for "b" behind a decoding "s" request waits for "s" to be done, and
     the "s" requests after it wait behind it (with no such rule they would join the batch while "s"
     decodes and could keep "b" out for ever); a base request, which needs no slot, passes it."""
-    from hf_invisiblelora.decoding import Decoder
+    from hf_invisiblelora.decode.decoder import Decoder
 
     order = []
     admit = Decoder.admit
@@ -829,7 +831,7 @@ def test_adapter_changes_free_the_old_banks(tmp_path):
     import gc
     import weakref
 
-    from hf_invisiblelora.state import state_of
+    from hf_invisiblelora.model.state import state_of
 
     model = tiny_peft("llama", adapters=("s", "b"), strength=0.6)
     tiny_peft("llama", adapters=("d",), strength=0.6, seed=5).save_pretrained(tmp_path)

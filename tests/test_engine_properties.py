@@ -15,13 +15,13 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora import decoding, engine as engine_module, layout
-from hf_invisiblelora.engine import Engine, Request
-from hf_invisiblelora.scheduling import prefill_groups
+from hf_invisiblelora.decode import decoder as decoding
+from hf_invisiblelora.engine import Engine, Request, engine as engine_module
+from hf_invisiblelora.engine.scheduling import prefill_groups
+from hf_invisiblelora.model import layout
 from tiny import EOS, tiny_peft
 
 EXAMPLES = int(os.environ.get("ENGINE_PROPERTY_EXAMPLES", 50))
@@ -170,7 +170,7 @@ def test_request_mixes_decode_exactly(mix):
             wait_for(lambda: engine._decoder is not None)  # built on the engine's thread as it starts
             decoder = engine._decoder
             assert all(decoder.batch.done_h) and decoder.names == [None] * engine.max_batch
-            assert decoder.policy.requests == [None] * engine.max_batch
+            assert decoder.policy.rows == [None] * engine.max_batch
             m = engine.metrics_snapshot()
             if fault is not None:  # the engine serves on: a new request decodes exactly
                 again = SimpleNamespace(**{**vars(specs[0]), "cancel": None})

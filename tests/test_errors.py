@@ -6,7 +6,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_invisiblelora
-from hf_invisiblelora.lora import lora_layers
+from hf_invisiblelora.model.walk import lora_layers
 from tiny import ARCHS, prompts, tiny_peft
 
 IDS, MASK = prompts([3, 5])

@@ -5,8 +5,16 @@ import time
 import pytest
 import torch
 
-from hf_invisiblelora.decoding import PassTimer
-from hf_invisiblelora.gate import COST_BOUND_PROBE, COST_WINDOW, MARGIN, PROBE_AFTER, Gate, GateMemory, expected_tokens
+from hf_invisiblelora.decode.decoder import PassTimer
+from hf_invisiblelora.decode.gate import (
+    COST_BOUND_PROBE,
+    COST_WINDOW,
+    MARGIN,
+    PROBE_AFTER,
+    Gate,
+    GateMemory,
+    expected_tokens,
+)
 
 K = 4
 ROWS = ["x", "y", "x", "__base__"]

@@ -22,6 +22,7 @@ from typing import Callable
 
 import pytest
 import torch
+from options_catalog import CATALOG, enumerate_classes
 from peft.tuners.lora import LoraLayer
 from transformers import (
     LogitsProcessor,
@@ -34,7 +35,6 @@ from transformers import (
 from transformers.generation import logits_process as lp
 
 import hf_invisiblelora  # noqa: F401  (makes generate() accept invisible_lora=True)
-from options_catalog import CATALOG, enumerate_classes
 from tiny import EOS, PAD, chi_square_p, prompts, tiny_peft, tiny_tokenizer
 
 ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]

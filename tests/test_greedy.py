@@ -5,7 +5,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_invisiblelora
-from hf_invisiblelora.state import state_of
+from hf_invisiblelora.model.state import state_of
 from tiny import ARCHS, PAD, prompts, tiny_peft
 
 ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]

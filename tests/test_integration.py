@@ -6,7 +6,7 @@ from transformers import TextStreamer, pipeline
 from transformers.generation.streamers import BaseStreamer
 
 import hf_invisiblelora  # noqa: F401  (makes generate() accept invisible_lora=True)
-from hf_invisiblelora.state import state_of
+from hf_invisiblelora.model.state import state_of
 from tiny import prompts, tiny_peft, tiny_tokenizer
 
 PROMPTS = ["the quick brown", "once upon a time", "hello"]

@@ -7,10 +7,11 @@ import pytest
 import torch
 from peft.utils.other import ModulesToSaveWrapper
 
-from hf_invisiblelora import api, context
+from hf_invisiblelora import api
 from hf_invisiblelora.engine import Engine, Request
-from hf_invisiblelora.lora import BASE
-from hf_invisiblelora.state import state_of
+from hf_invisiblelora.model import context
+from hf_invisiblelora.model.state import state_of
+from hf_invisiblelora.model.walk import BASE
 from tiny import ADAPTERS, LINEAR, PAD, prompts, tiny_peft
 
 SAVING = {

@@ -5,9 +5,9 @@ separate passes of each row compute, and writes only each row's real tokens to t
 import pytest
 import torch
 
-from hf_invisiblelora.adapters import BankSwitch, PeftSwitch
-from hf_invisiblelora.forward import EagerForward
-from hf_invisiblelora.state import state_of
+from hf_invisiblelora.lora.switch import BankSwitch, PeftSwitch
+from hf_invisiblelora.model.forward import EagerForward
+from hf_invisiblelora.model.state import state_of
 from tiny import tiny_peft
 
 NAMES = ["s", "b", "__base__"]

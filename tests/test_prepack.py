@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora import prepack
 from hf_invisiblelora.kernels import packed_linear
-from hf_invisiblelora.state import state_of
+from hf_invisiblelora.model import prepack
+from hf_invisiblelora.model.state import state_of
 from tiny import all_near_ties, divergences, prompts, tiny_peft
 
 pytestmark = pytest.mark.skipif(not packed_linear.available(torch.float32, torch.device("cpu")),

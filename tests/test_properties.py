@@ -4,11 +4,10 @@ as standard PEFT decoding (float64, greedy), with consistent stats and the model
 import os
 
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora.lora import lora_layers
+from hf_invisiblelora.model.walk import lora_layers
 from tiny import PAD, tiny_peft
 
 EXAMPLES = int(os.environ.get("PROPERTY_EXAMPLES", 150))  # more for a longer search

@@ -1,4 +1,4 @@
-"""LoRA on quantized base models (hf_invisiblelora/quantized.py) on the CPU: torchao weight-only
+"""LoRA on quantized base models (hf_invisiblelora/model/quantized.py) on the CPU: torchao weight-only
 int8 / int4 and bitsandbytes 4-bit / 8-bit give stock PEFT's greedy tokens on the same quantized
 model (or leave them only at near ties of stock's logits: the verify pass runs several tokens per
 row, matmuls of other shapes); the quantizations not served are refused up front."""
@@ -12,11 +12,11 @@ from peft.tuners.lora.torchao import TorchaoLoraLinear
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_invisiblelora  # noqa: F401  (generate(..., invisible_lora=True))
-from hf_invisiblelora import lora_forward
-from hf_invisiblelora.bank import get_bank
-from hf_invisiblelora.context import PassContext
-from hf_invisiblelora.lora import lora_layers
-from hf_invisiblelora.state import state_of
+from hf_invisiblelora.lora import layer as lora_layer
+from hf_invisiblelora.lora.bank import get_bank
+from hf_invisiblelora.model.context import PassContext
+from hf_invisiblelora.model.state import state_of
+from hf_invisiblelora.model.walk import lora_layers
 from tiny import ADAPTERS, ARCHS, COMMON, all_near_ties, divergences, prompts, with_adapters
 
 ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]
@@ -175,7 +175,7 @@ def test_layer_adds_the_lora_term_as_peft(saved, kind, mixed, waste, monkeypatch
     on a bfloat16 model) rounded before it is added or not, as PEFT's layer type does with and
     without adapter_names. The adapters' values make their terms exact in float32 in any order, so
     only that rounding could differ."""
-    monkeypatch.setattr(lora_forward, "PACKED_WASTE", waste)
+    monkeypatch.setattr(lora_layer, "PACKED_WASTE", waste)
     model = quantized(saved, kind, torch.bfloat16)
     m = model.get_base_model().model.layers[0].self_attn.v_proj  # adapters s, b, d
     g = torch.Generator().manual_seed(0)

@@ -12,7 +12,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 from test_serve import ADAPTERS, BASE_ID, MAX_LEN, TEXTS, files, free_port, generate, reference  # noqa: F401
 
 pytestmark = pytest.mark.slow

@@ -39,14 +39,12 @@ from peft import LoraConfig
 from peft.helpers import rescale_adapter_scale
 from peft.tuners.lora import LoraLayer
 from peft.utils.hotswap import hotswap_adapter
+from test_generation_options import LENGTHS, ROWS, Ctx, Refused, _sequences, assert_same, snapshot as snap, standard
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
-from transformers.generation import logits_process as lp
-from transformers.generation import stopping_criteria as sc
+from transformers.generation import logits_process as lp, stopping_criteria as sc
 
 import hf_invisiblelora  # noqa: F401  (makes generate() accept invisible_lora=True)
 from tiny import ADAPTERS, LINEAR, prompts, tiny_peft, tiny_tokenizer
-from test_generation_options import LENGTHS, ROWS, Ctx, Refused, _sequences, assert_same, standard
-from test_generation_options import snapshot as snap
 
 NEW = 10
 COMMON = dict(do_sample=False, max_new_tokens=NEW)

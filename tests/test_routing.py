@@ -1,4 +1,4 @@
-"""The one router (hf_invisiblelora/routing.py): what a module computes in each pass kind, whatever
+"""The one router (hf_invisiblelora/model/routing.py): what a module computes in each pass kind, whatever
 the order the parts were installed in; only in the context's passes; nothing left after."""
 
 import types
@@ -6,8 +6,8 @@ import types
 import pytest
 import torch
 
-from hf_invisiblelora.context import PassContext
-from hf_invisiblelora.routing import ALL, LORA, draft
+from hf_invisiblelora.model.context import PassContext
+from hf_invisiblelora.model.routing import ALL, LORA, draft
 
 
 def tagged(tag):

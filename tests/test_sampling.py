@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import hf_invisiblelora  # noqa: F401  (makes generate() accept invisible_lora=True)
-
 from tiny import chi_square_p, tiny_peft
 
 VOCAB, N, TEMPERATURE, TOP_K = 8, 3000, 0.8, 3

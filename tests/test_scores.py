@@ -16,11 +16,11 @@ from typing import Callable
 
 import pytest
 import torch
+from test_generation_options import GREEDY_CASES, Ctx, StopOnScores
 from transformers import Phi3Config, Phi3ForCausalLM, StoppingCriteriaList
 
 import hf_invisiblelora  # noqa: F401  (makes generate() accept invisible_lora=True)
 from tiny import PAD, prompts, tiny_peft, tiny_tokenizer, with_adapters
-from test_generation_options import GREEDY_CASES, Ctx, StopOnScores
 
 ROWS = ["s", "b", "__base__", "c", "d", "s", "b"]
 LENGTHS = [5, 9, 3, 7, 9, 1, 6]

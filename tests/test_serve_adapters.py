@@ -15,9 +15,9 @@ import pytest
 import torch
 from peft import PeftModel
 from peft.utils.other import ModulesToSaveWrapper
+from test_serve import ADAPTERS, BASE_ID, launch, request
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from test_serve import ADAPTERS, BASE_ID, launch, request
 from tiny import ARCHS, LINEAR, tiny_tokenizer, with_adapters
 
 # Loaded at start (--lora), beside test_serve's plain s, b, c (which its launcher always passes).

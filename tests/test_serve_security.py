@@ -27,8 +27,18 @@ from dataclasses import dataclass
 import openai
 import pytest
 import torch
-from test_serve import (BASE_ID, CHAT_TEMPLATE, TEXTS, files, generate, launch, long_prompt, metrics,  # noqa: F401
-                        reference, wait_idle)
+from test_serve import (  # noqa: F401
+    BASE_ID,
+    CHAT_TEMPLATE,
+    TEXTS,
+    files,
+    generate,
+    launch,
+    long_prompt,
+    metrics,
+    reference,
+    wait_idle,
+)
 
 import hf_invisiblelora
 from hf_invisiblelora.serving.cli import API_KEY_ENV, RUNTIME_LORA_ENV
@@ -534,7 +544,7 @@ def app_client():
 
 
 def test_failures_inside_say_internal_error_with_a_request_id(app_client, monkeypatch):
-    from hf_invisiblelora.decoding import Decoder
+    from hf_invisiblelora.decode.decoder import Decoder
     from hf_invisiblelora.serving.text import TextStream
 
     client, server = app_client

@@ -20,8 +20,7 @@ import openai
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_serve import generate, launch  # noqa: F401
-from test_serve import files, reference  # noqa: F401  (fixtures)
+from test_serve import files, generate, launch, reference  # noqa: F401  # noqa: F401  (fixtures)
 from test_serve_security import assert_error, call
 from test_tenants import Bias, Penalties
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import hf_invisiblelora  # noqa: F401  (generate(..., invisible_lora=True))
-from hf_invisiblelora.lora import BASE
+from hf_invisiblelora.model.walk import BASE
 from tiny import all_near_ties, divergences, with_adapters
 
 pytestmark = pytest.mark.slow

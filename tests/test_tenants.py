@@ -26,10 +26,9 @@ from safetensors.torch import load_file, save_file
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora import adapter_pool
-from hf_invisiblelora import lora_forward
-from hf_invisiblelora.adapter_files import OutsideRoots, Unreadable
-from hf_invisiblelora.engine import AdapterUnsupported, Engine, InvalidRequest, Request
+from hf_invisiblelora.engine import AdapterUnsupported, Engine, InvalidRequest, Request, adapter_pool
+from hf_invisiblelora.lora import layer as lora_layer
+from hf_invisiblelora.lora.files import OutsideRoots, Unreadable
 from tiny import prompts, tiny_peft
 
 ROWS = ["s", "big", "b", "__base__", "c", "big"]
@@ -49,7 +48,7 @@ def overflowing(model, name="big"):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("gate", ["never", "always"])
 def test_an_overflowing_adapter_leaves_other_rows_as_stock(monkeypatch, path, dtype, gate):
-    monkeypatch.setattr(lora_forward, "PACKED_WASTE", 10**9 if path == "packed" else -1)
+    monkeypatch.setattr(lora_layer, "PACKED_WASTE", 10**9 if path == "packed" else -1)
     adapters = {"s": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
                 "big": dict(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                "up_proj", "down_proj"]),

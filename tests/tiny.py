@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from peft import LoraConfig, get_peft_model
 from transformers import (
     Gemma3ForCausalLM,
@@ -25,7 +24,6 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
-
 
 # Tiny Llama / Qwen2 / Gemma 3 with LoRA adapters.
 PAD, EOS = 0, 1

@@ -11,7 +11,7 @@ and it is where each cycle starts:
     verify  (LoRA on, 1 pass of k+1 tokens): [last, d_1..d_k] at slots end-1 .., overwriting
             the draft KV with LoRA-on KV; target scores for k+1 positions
     accept  n drafts per row (the policy's rule), plus one target token
-    commit  cut at EOS / stopping criteria / the row's budget; gen += kept
+    commit  cut at EOS / stopping criteria / the row's budget; gen += committed
 
 Rows join (``admit``: a prefill of those rows) and leave between cycles; a cycle runs the rows
 0..hi-1 that hold work (free rows among them ride along, masked). ``generate()`` admits all its
@@ -100,15 +100,15 @@ def verify(fwd, batch: Batch, hi: int, k: int, policy):
     return policy.scores(batch, slice(0, hi), logits, offset=0, target=True)
 
 
-def commit(batch: Batch, hi: int, n, next_token, k: int, eos, criteria, freeze: bool, members=None, timed=(),
-           scores=None):
+def commit(batch: Batch, hi: int, n, next_token, k: int, eos, criteria, freeze: bool, members=None,
+           time_limits=(), scores=None):
     """Append each member row's accepted drafts + next token, cut at EOS / stopping criteria / the
     row's budget. ``n``, ``next_token``: [hi]; ``members``: the rows committing (default: the
     active rows among 0..hi-1); the others keep nothing.
 
     ``freeze``: a stopped row is finished (its later tokens are padding), as in standard decoding
     when a criterion has an ``eos_token_id``; otherwise it keeps generating until every row has
-    stopped. ``timed``: time limits (generate()'s max_time); once one has passed, every row ends at
+    stopped. ``time_limits``: generate()'s max_time criteria; once one has passed, every row ends at
     one length, as standard decoding's batch ends at the step the time ran out: the shortest length
     a row still generating has reached (rows ahead of it drop what they hold beyond it). ``scores``:
     what the criteria are handed as ``scores`` (None, or a processors.ScoreHistory).
@@ -121,28 +121,28 @@ def commit(batch: Batch, hi: int, n, next_token, k: int, eos, criteria, freeze: 
     member = torch.zeros(hi, dtype=torch.bool, device=tokens.device)
     member[members] = True
     budget = torch.tensor(batch.max_new_h[:hi], device=tokens.device) - batch.gen[:hi]
-    kept = torch.where(member, n + 1, 0).minimum(budget)
+    committed = torch.where(member, n + 1, 0).minimum(budget)
     stopped = torch.zeros_like(member)
     if eos is not None:
         offsets = torch.arange(k + 1, device=tokens.device)
         new = tokens.gather(1, end[:, None] + offsets)
         hit = torch.isin(new, eos) if eos.dim() == 1 else (new[:, :, None] == eos[:hi, None, :]).any(-1)
-        is_eos = hit & (offsets < kept[:, None])
+        is_eos = hit & (offsets < committed[:, None])
         stopped = is_eos.any(1)
-        kept = torch.where(stopped, is_eos.long().argmax(1) + 1, kept)
-    kept_h, stopped_h, n_h = torch.stack([kept, stopped.long(), n]).tolist()
+        committed = torch.where(stopped, is_eos.long().argmax(1) + 1, committed)
+    committed_h, stopped_h, n_h = torch.stack([committed, stopped.long(), n]).tolist()
     if criteria:
-        for r, s in enumerate(first_stop(criteria, tokens, batch.plen_h[:hi], batch.gen_h[:hi], kept_h, scores)):
+        for r, s in enumerate(first_stop(criteria, tokens, batch.plen_h[:hi], batch.gen_h[:hi], committed_h, scores)):
             if s is not None:
-                kept_h[r], stopped_h[r] = s, 1
+                committed_h[r], stopped_h[r] = s, 1
     for r in members:
-        batch.gen_h[r] += kept_h[r]
+        batch.gen_h[r] += committed_h[r]
         if stopped_h[r] and batch.stop_at[r] is None:
             batch.stop_at[r] = batch.gen_h[r]
-    if timed and expired(timed, tokens):
-        _end_batch(batch, hi, kept_h, freeze)
+    if time_limits and expired(time_limits, tokens):
+        _end_batch(batch, hi, committed_h, freeze)
         batch.gen = torch.tensor(batch.gen_h, device=tokens.device)
-        return kept_h, n_h
+        return committed_h, n_h
     # Without freezing (generate(), whose rows 0..hi-1 are its batch), every row generates up to
     # the last row's stop once all have stopped.
     limit = None if freeze or None in batch.stop_at[:hi] else max(batch.stop_at[:hi])
@@ -150,17 +150,17 @@ def commit(batch: Batch, hi: int, n, next_token, k: int, eos, criteria, freeze: 
         stop = freeze and batch.stop_at[r] is not None
         batch.done_h[r] = stop or batch.gen_h[r] >= (batch.max_new_h[r] if limit is None else limit)
     batch.gen = torch.tensor(batch.gen_h, device=tokens.device)
-    return kept_h, n_h
+    return committed_h, n_h
 
 
-def _end_batch(batch: Batch, hi: int, kept_h: list, freeze: bool) -> None:
+def _end_batch(batch: Batch, hi: int, committed_h: list, freeze: bool) -> None:
     """Every row of 0..hi-1 ends at the shortest length of a row still generating real tokens (rows
     finished and padded do not count); nothing to cut if none is."""
     going = [batch.gen_h[r] for r in range(hi) if not batch.done_h[r] and not (freeze and batch.stop_at[r] is not None)]
     if going:
         end = min(going)
         for r in range(hi):
-            kept_h[r] -= max(0, batch.gen_h[r] - end)
+            committed_h[r] -= max(0, batch.gen_h[r] - end)
             batch.gen_h[r] = min(batch.gen_h[r], end)
             if not freeze:  # the batch's output ends here
                 batch.stop_at[r] = end
@@ -175,7 +175,7 @@ class Decoder:
     processing, picking and acceptance, ``drafter``: what proposes the drafts (drafters.py).
     ``eos``: the stop token ids, [E] for every row or [C, E] per row (-1 pads; ``set_stops``), or
     None; ``criteria``: stopping criteria beyond EOS and the budget (generate()'s); ``freeze``,
-    ``timed``: see ``commit``. ``recompute``: a rotary.Recompute when standard decoding recomputes
+    ``time_limits``: see ``commit``. ``recompute``: a rotary.Recompute when standard decoding recomputes
     its cache at some slot. ``span``: run every pass over rows 0..span-1 (generate(): processors
     then see the whole batch, as in standard decoding), else over the rows up to the last active
     one. ``history``: keep each cycle's k in ``k_per_cycle`` (generate()'s stats; a server's long
@@ -186,11 +186,12 @@ class Decoder:
     """
 
     def __init__(self, fwd, lora, policy, gate: Gate, drafters, *, capacity: int, pad_id: int, eos=None,
-                 criteria=None, freeze: bool = True, timed=(), recompute=None, span: int | None = None,
+                 criteria=None, freeze: bool = True, time_limits=(), recompute=None, span: int | None = None,
                  history: bool = True, scores=None, keep_prefill: bool = False):
         self.fwd, self.lora, self.policy, self.gate, self.drafters, self.span = fwd, lora, policy, gate, drafters, span
         self.batch = Batch.empty(capacity, fwd.layout.width, pad_id, fwd.layout.positions.device)
-        self.eos, self.criteria, self.freeze, self.timed, self.recompute = eos, criteria, freeze, timed, recompute
+        self.eos, self.criteria, self.freeze, self.recompute = eos, criteria, freeze, recompute
+        self.time_limits = time_limits
         self.names = [None] * capacity  # each row's adapter
         self.timer = PassTimer(self.batch.tokens.device)
         self.cycles, self.k, self.k_per_cycle, self.history = 0, 0, [], history
@@ -255,9 +256,9 @@ class Decoder:
         hi = max(idx) + 1
         full_n, full_next = n.new_zeros(hi), n.new_zeros(hi)
         full_n[sub], full_next[sub] = n, next_token
-        kept, _ = commit(batch, hi, full_n, full_next, 0, self.eos, self.criteria, self.freeze, members=idx,
-                         timed=self.timed, scores=self.scores)
-        return kept
+        committed, _ = commit(batch, hi, full_n, full_next, 0, self.eos, self.criteria, self.freeze, members=idx,
+                              time_limits=self.time_limits, scores=self.scores)
+        return committed
 
     def cycle(self):
         """One cycle over the active rows: gate, draft, verify, accept, commit. Returns the tokens
@@ -282,8 +283,8 @@ class Decoder:
         if self.scores is not None:  # position t of the verify pass chose token gen + t
             self.scores.record(torch.arange(hi, device=scores.device), batch.gen_h[:hi], scores,
                                live=[not d for d in batch.done_h[:hi]])
-        kept, n_h = commit(batch, hi, n, next_token, k, self.eos, self.criteria, self.freeze, timed=self.timed,
-                           scores=self.scores)
+        committed, n_h = commit(batch, hi, n, next_token, k, self.eos, self.criteria, self.freeze,
+                                time_limits=self.time_limits, scores=self.scores)
         drafter.learn(batch, hi, n_h)
         for r in active:
             self.drafted[r] += k
@@ -292,7 +293,7 @@ class Decoder:
         spans = self.timer.collect()
         if self.fwd.builds == builds:  # not a pass's compilation
             self.gate.observe(k, n_h, [r in active for r in range(hi)], spans.get("draft"), spans["verify"])
-        return kept
+        return committed
 
     # --- rows changed from outside the cycle (the serving engine) ---
 
@@ -338,13 +339,14 @@ class Decoder:
             return None
         return "length" if b.gen_h[r] >= b.max_new_h[r] and b.stop_at[r] is None else "stop"
 
-    def chunks(self, kept: list[int]) -> list[list[int]]:
-        """Each row's newly committed tokens (its last ``kept[r]``), in one copy to the host (one device sync)."""
-        if not any(kept):
-            return [[] for _ in kept]
-        b, tokens = self.batch, self.batch.tokens[: len(kept)].tolist()
+    def new_tokens(self, committed: list[int]) -> list[list[int]]:
+        """Each row's newly committed tokens (its last ``committed[r]``), in one copy to the host (one
+        device sync)."""
+        if not any(committed):
+            return [[] for _ in committed]
+        b, tokens = self.batch, self.batch.tokens[: len(committed)].tolist()
         return [tokens[r][b.plen_h[r] + b.gen_h[r] - n : b.plen_h[r] + b.gen_h[r]] if n else []
-                for r, n in enumerate(kept)]
+                for r, n in enumerate(committed)]
 
     def set_lora(self, lora) -> None:
         """A new LoRA switch (the adapters changed: a new bank, whose slots may move); rows in flight go on."""

@@ -15,6 +15,8 @@ the row indices of a prefill).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from transformers.generation import logits_process as lp
 
@@ -88,6 +90,23 @@ class OutputPenalties:
         return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
+@dataclass
+class RowRequest:
+    """One row's request and what its decoding keeps: the processors reading its tokens, its seeded
+    generator, the Gumbel noise drawn per generated position (``drawn`` so far, in order: noise i is
+    the i-th draw), the raw log-probs kept for its next delivery ((generated position of the first,
+    [q, V])), and its prompt tokens' entries so far if it asked (``keep_prompt``). Freeing the row
+    drops it all at once."""
+
+    request: object
+    processors: list
+    generator: torch.Generator
+    prompt: list | None = None
+    noise: dict = field(default_factory=dict)
+    drawn: int = 0
+    retained: tuple | None = None
+
+
 class RequestPolicy:
     """Each row its own request (engine.py): greedy (temperature 0) or sampled, its scores processed
     in vLLM's order: the logit bias, no stop token before ``min_tokens``, the repetition penalty (over
@@ -109,17 +128,10 @@ class RequestPolicy:
 
     def __init__(self, capacity: int, device):
         self.device = device
-        self.requests = [None] * capacity  # the request in each row
-        self.processors = [[] for _ in range(capacity)]  # per row: those reading its tokens
-        self.generators = [None] * capacity
-        self.noise = [{} for _ in range(capacity)]  # row -> {generated position: Gumbel noise [V]}
-        self.drawn = [0] * capacity  # positions drawn so far, in order: noise i is the i-th draw
-        self.kept = [None] * capacity  # row -> (generated position of the first, raw log-probs [q, V])
-        self.prompt = [None] * capacity  # row -> its prompt tokens' entries so far (keep_prompt), if asked
+        self.rows: list[RowRequest | None] = [None] * capacity  # the request in each row, and its state
 
     def set_request(self, r: int, request, stops=()) -> None:
         """Row r decodes ``request``; ``stops``: its stop token ids, none generated before min_tokens."""
-        self.requests[r] = request
         procs = []
         if request.logit_bias:
             procs.append(LogitBias(request.logit_bias, self.device))
@@ -130,45 +142,46 @@ class RequestPolicy:
             procs.append(lp.RepetitionPenaltyLogitsProcessor(request.repetition_penalty))
         if request.presence_penalty or request.frequency_penalty:
             procs.append(OutputPenalties(len(request.prompt), request.presence_penalty, request.frequency_penalty))
-        self.processors[r] = procs
-        self.prompt[r] = [None] if request.prompt_logprobs is not None else None  # the first token has none
         seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()).item())
-        self.generators[r] = torch.Generator(device=self.device).manual_seed(seed)
-        self.noise[r], self.drawn[r], self.kept[r] = {}, 0, None
+        self.rows[r] = RowRequest(request, procs, torch.Generator(device=self.device).manual_seed(seed),
+                                  prompt=[None] if request.prompt_logprobs is not None else None)  # the first: none
 
     def release(self, r: int) -> None:
         """Forget row r's request (its settings, generator and noise); the next one sets its own."""
-        self.requests[r], self.processors[r], self.generators[r] = None, [], None
-        self.noise[r], self.drawn[r], self.kept[r], self.prompt[r] = {}, 0, None, None
+        self.rows[r] = None
+
+    def prompt_logprobs(self, r: int) -> list | None:
+        """Row r's prompt tokens' entries (``keep_prompt``), if its request asked."""
+        return self.rows[r].prompt
 
     def _sampling(self, r: int):
         """(temperature, top_k, top_p, min_p) of a sampled row; None for a greedy one."""
-        q = self.requests[r]
+        q = self.rows[r].request
         return (q.temperature, q.top_k, q.top_p, q.min_p) if q.temperature >= GREEDY_BELOW else None
 
     def _gumbel(self, r: int, position: int, vocab: int):
-        noise = self.noise[r]
-        while self.drawn[r] <= position:
-            u = torch.rand(vocab, generator=self.generators[r], device=self.device).clamp_(min=1e-20, max=1 - 1e-7)
-            noise[self.drawn[r]] = -torch.log(-torch.log(u))
-            self.drawn[r] += 1
-        return noise[position]
+        row = self.rows[r]
+        while row.drawn <= position:
+            u = torch.rand(vocab, generator=row.generator, device=self.device).clamp_(min=1e-20, max=1 - 1e-7)
+            row.noise[row.drawn] = -torch.log(-torch.log(u))
+            row.drawn += 1
+        return row.noise[position]
 
     def scores(self, batch, which, logits, offset: int, target: bool = False):
         idx = _idx(batch, which)
         scores = logits.float()
         n, q, v = scores.shape
-        live = [i for i, r in enumerate(idx) if not batch.done_h[r] and self.requests[r] is not None]
+        live = [i for i, r in enumerate(idx) if not batch.done_h[r] and self.rows[r] is not None]
         if target:
             for i in live:
-                if self.requests[idx[i]].logprobs is not None:
-                    self.kept[idx[i]] = (batch.gen_h[idx[i]], scores[i].log_softmax(-1))
+                if self.rows[idx[i]].request.logprobs is not None:
+                    self.rows[idx[i]].retained = (batch.gen_h[idx[i]], scores[i].log_softmax(-1))
         for i in live:
-            r = idx[i]
-            if self.processors[r]:  # each position's context: the request's prompt and output before it
-                start = batch.plen_h[r] - len(self.requests[r].prompt)
+            r, row = idx[i], self.rows[idx[i]]
+            if row.processors:  # each position's context: the request's prompt and output before it
+                start = batch.plen_h[r] - len(row.request.prompt)
                 end = batch.plen_h[r] + batch.gen_h[r] + offset
-                scores[i] = torch.cat([_apply(self.processors[r], batch.tokens[r, start:end + t][None], scores[i, t][None])
+                scores[i] = torch.cat([_apply(row.processors, batch.tokens[r, start:end + t][None], scores[i, t][None])
                                        for t in range(q)])
         groups = {}
         for i in live:
@@ -184,9 +197,9 @@ class RequestPolicy:
                 warpers.append(lp.MinPLogitsWarper(min_p))
             sub = _apply(warpers, None, scores[members].reshape(-1, v)).log_softmax(-1).reshape(len(members), q, v)
             for j, i in enumerate(members):
-                r = idx[i]
+                r, row = idx[i], self.rows[idx[i]]
                 start = batch.gen_h[r] + offset
-                self.noise[r] = {p: g for p, g in self.noise[r].items() if p >= batch.gen_h[r]}  # committed: not needed
+                row.noise = {p: g for p, g in row.noise.items() if p >= batch.gen_h[r]}  # committed: not needed
                 sub[j] += torch.stack([self._gumbel(r, start + t, v) for t in range(q)])
             scores[members] = sub
         return scores
@@ -194,7 +207,7 @@ class RequestPolicy:
     def token_logprobs(self, r: int, first: int, tokens: list[int], top: int) -> list:
         """Row r's committed ``tokens`` (generated positions first, first + 1, ...): per token its
         raw log-probability and the ``top`` most likely (token id, log-probability) pairs."""
-        start, logprobs = self.kept[r]
+        start, logprobs = self.rows[r].retained
         span = logprobs[first - start : first - start + len(tokens)]
         chosen = span.gather(1, torch.tensor(tokens, device=span.device)[:, None])[:, 0]
         best = span.topk(top, -1) if top else None
@@ -209,17 +222,18 @@ class RequestPolicy:
 
     def wants_prompt(self, idx) -> bool:
         """Whether a row of ``idx`` asks for its prompt's log-probabilities (its prefill keeps every position)."""
-        return any(self.prompt[r] is not None for r in idx)
+        return any(self.rows[r] is not None and self.rows[r].prompt is not None for r in idx)
 
     def keep_prompt(self, batch, rows, logits, start: int) -> None:
         """From a prefill pass over slots start .. start + q - 1 of ``rows`` (logits [n, q, V]): the
         raw log-probability, rank and top ones of each prompt token whose previous token is in the
         pass, for the rows that asked (``prompt``)."""
         for i, r in enumerate(rows):
-            entries = self.prompt[r]
+            row = self.rows[r]
+            entries = None if row is None else row.prompt
             if entries is None:
                 continue
-            first, end = batch.plen_h[r] - len(self.requests[r].prompt), batch.plen_h[r]
+            first, end = batch.plen_h[r] - len(row.request.prompt), batch.plen_h[r]
             lo, hi = max(start, first), min(start + logits.shape[1], end - 1)  # slot p predicts token p + 1
             if hi <= lo:
                 continue
@@ -227,7 +241,7 @@ class RequestPolicy:
             tokens = batch.tokens[r, lo + 1:hi + 1]
             chosen = logprobs.gather(1, tokens[:, None])[:, 0]
             ranks = (logprobs > chosen[:, None]).sum(1) + 1
-            top = self.requests[r].prompt_logprobs
+            top = row.request.prompt_logprobs
             best = logprobs.topk(top, -1) if top else None
             for j, (c, rank) in enumerate(zip(chosen.tolist(), ranks.tolist())):
                 pairs = list(zip(best.indices[j].tolist(), best.values[j].tolist())) if top else []

@@ -113,7 +113,7 @@ class Stopping:
 
     ``eos``: the ids of the EOS criteria [E] (None: none), checked per row, vectorized;
     ``max_length``: the smallest max_length of the length criteria (they stop every row at the same
-    length, so they are a per-row budget); ``timed``: time limits, which stop the whole batch at once;
+    length, so they are a per-row budget); ``time_limits``: time limits, which stop the whole batch at once;
     ``criteria``: the others, called at every length a row reaches (``first_stop``); ``pads``: rows
     a criterion stopped are finished and padded, as standard decoding does when any criterion has
     an ``eos_token_id`` attribute (otherwise they keep generating until every row has stopped).
@@ -121,7 +121,7 @@ class Stopping:
 
     eos: torch.Tensor | None
     max_length: int | None
-    timed: list
+    time_limits: list
     criteria: StoppingCriteriaList
     pads: bool
 
@@ -130,7 +130,7 @@ def split_criteria(criteria) -> Stopping:
     """Sort the criteria generate() built (its defaults merged with the ones passed, as it merges
     them) by how decoding applies them. Only criteria that run Transformers' own code for EOS, max
     length and max time are taken apart; subclasses with code of their own are called as any criterion."""
-    eos, lengths, timed, rest = [], [], [], StoppingCriteriaList()
+    eos, lengths, time_limits, rest = [], [], [], StoppingCriteriaList()
     for c in criteria:
         kind = behaves_as(c, (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria))
         if kind is EosTokenCriteria:
@@ -138,10 +138,10 @@ def split_criteria(criteria) -> Stopping:
         elif kind is MaxLengthCriteria:
             lengths.append(c.max_length)
         elif kind is MaxTimeCriteria:
-            timed.append(c)
+            time_limits.append(c)
         else:
             rest.append(c)
-    return Stopping(torch.cat(eos).unique() if eos else None, min(lengths, default=None), timed, rest,
+    return Stopping(torch.cat(eos).unique() if eos else None, min(lengths, default=None), time_limits, rest,
                     pads=any(hasattr(c, "eos_token_id") for c in criteria))
 
 
@@ -195,9 +195,9 @@ def step_outputs(processors, sequences: torch.Tensor, prompt_len: int, logits: t
     return tuple(processors(sequences[:, : prompt_len + s].clone(), step) for s, step in enumerate(raw)), raw
 
 
-def expired(timed: list, tokens: torch.Tensor) -> bool:
+def expired(time_limits: list, tokens: torch.Tensor) -> bool:
     """Whether a time limit has passed (it answers for the whole batch, as at a standard decoding step)."""
-    return any(bool(c(tokens, None).any()) for c in timed)
+    return any(bool(c(tokens, None).any()) for c in time_limits)
 
 
 def first_stop(criteria: StoppingCriteriaList, tokens: torch.Tensor, plen: list[int], gen: list[int],

@@ -3,9 +3,9 @@ engine (engine.py):
 
     session = Session(peft_model, policy, capacity=B, width=W, mixed=True, ...)
     with state_of(peft_model).hold(), session.installed() as decoder:
-        kept = decoder.admit(rows, input_ids, mask, positions, budgets, adapters)
+        committed = decoder.admit(rows, input_ids, mask, positions, budgets, adapters)
         while decoder.batch.active:
-            kept = decoder.cycle()
+            committed = decoder.cycle()
 
 It builds the LoRA switch (the adapter bank, or PEFT's own layers: ``lora_backend``), the forward
 (eager, or the compiled passes of a bucket) with its pass context, the drafter, the gate, the

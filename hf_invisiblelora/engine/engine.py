@@ -364,7 +364,7 @@ class Engine:
         end with "error" and the engine serves on (``Rows.fail``)."""
         try:
             before = list(zip(decoder.drafted, decoder.accepted))
-            kept = decoder.cycle()
+            committed = decoder.cycle()
             with self._state_lock:
                 m = self.metrics
                 m["cycles"] += 1
@@ -377,7 +377,7 @@ class Engine:
             # from their last prompt slot on, which their last chunk writes again.
             self._rows.fail(decoder, [(r, h) for r, h in self._rows.taken() if not decoder.waiting[r]], "decoding", e)
             return
-        self._rows.deliver(decoder, kept)
+        self._rows.deliver(decoder, committed)
 
     def _run_commands(self) -> bool:
         """Run the queued adapter changes; True if one took effect (a refused or failed one changes nothing)."""
@@ -464,16 +464,16 @@ class Engine:
                 self._policy.set_request(r, h.request, stops)
             chunked = self.prefill_chunk is not None and len(group) * width > self.prefill_chunk and decoder.chunkable
             # max_tokens 0 (the prompt's log-probabilities only): decoded as 1, nothing delivered (Rows.deliver)
-            kept = decoder.admit([r for r, _ in group], ids, mask, prompt_positions(mask, ids),
+            committed = decoder.admit([r for r, _ in group], ids, mask, prompt_positions(mask, ids),
                                  [max(h.request.max_tokens, 1) for _, h in group],
                                  [h.request.adapter for _, h in group], upto=0 if chunked else None)
         except Exception as e:  # noqa: BLE001 - only the group is involved; the rows decoding go on
             self._rows.fail(decoder, group, "prefill", e)
             return
-        if kept is None:
+        if committed is None:
             self._chunked.append([group, 0])
             return
-        self._rows.prefilled(decoder, group, kept)
+        self._rows.prefilled(decoder, group, committed)
 
     def _next_chunk(self, decoder: Decoder) -> None:
         """The next chunk of the oldest group being prefilled in chunks (its requests still in their
@@ -486,12 +486,12 @@ class Engine:
             return
         end = min(done + max(self.prefill_chunk // len(group), 1), decoder.batch.plen_h[group[0][0]])
         try:
-            kept = decoder.prefill([r for r, _ in group], done, end)
+            committed = decoder.prefill([r for r, _ in group], done, end)
         except Exception as e:  # noqa: BLE001 - only the group is involved
             self._chunked.popleft()
             self._rows.fail(decoder, group, "prefill", e)
             return
         entry[1] = end
-        if kept is not None:
+        if committed is not None:
             self._chunked.popleft()
-            self._rows.prefilled(decoder, group, kept)
+            self._rows.prefilled(decoder, group, committed)

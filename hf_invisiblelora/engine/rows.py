@@ -3,7 +3,7 @@ row's tokens (and log-probabilities) delivered to its request's handle, and the 
 stop token or stop string, its budget, a cancel, an error), which frees its row for the next one.
 
 It runs on the engine's thread (engine.py), between the decoder's passes (decoder.py): the
-engine admits requests into free rows (``take``) and hands it each pass's kept tokens
+engine admits requests into free rows (``take``) and hands it each pass's committed tokens
 (``deliver``).
 """
 
@@ -53,24 +53,24 @@ class Rows:
                 left[h.request.adapter] = max(left.get(h.request.adapter, 0), decoder.remaining(r))
         return left
 
-    def prefilled(self, decoder, group: list, kept: list[int]) -> None:
+    def prefilled(self, decoder, group: list, committed: list[int]) -> None:
         """The group's prompts are in the cache: their first tokens are delivered."""
         for r, h in group:
             h.status = Status.DECODING
-            h.prompt_logprobs = self.policy.prompt[r]
-        self.deliver(decoder, kept)
+            h.prompt_logprobs = self.policy.prompt_logprobs(r)
+        self.deliver(decoder, committed)
 
-    def deliver(self, decoder, kept: list[int]) -> None:
-        """Each row's last ``kept[r]`` committed tokens to its request; requests that end are released.
-        A failure ends only the rows it involves (``fail``)."""
+    def deliver(self, decoder, committed: list[int]) -> None:
+        """Each row's last ``committed[r]`` tokens to its request; requests that end are released. A
+        failure ends only the rows it involves (``fail``)."""
         try:
-            chunks = decoder.chunks(kept)
+            new = decoder.new_tokens(committed)
         except Exception as e:  # noqa: BLE001 - every row with tokens is involved
-            self.fail(decoder, [(r, self.handles[r]) for r, n in enumerate(kept) if self.handles[r] is not None],
+            self.fail(decoder, [(r, self.handles[r]) for r, n in enumerate(committed) if self.handles[r] is not None],
                       "delivery", e)
             return
-        self.count(tokens=sum(n for r, n in enumerate(kept) if self.handles[r] is not None))
-        for r, chunk in enumerate(chunks):
+        self.count(tokens=sum(n for r, n in enumerate(committed) if self.handles[r] is not None))
+        for r, tokens in enumerate(new):
             h = self.handles[r]
             if h is None:
                 continue
@@ -78,12 +78,12 @@ class Rows:
                 if h.request.max_tokens == 0:  # its prompt only
                     self.release(decoder, r, "length")
                     continue
-                if chunk:
+                if tokens:
                     top = h.request.logprobs
                     logprobs = () if top is None else \
-                        self.policy.token_logprobs(r, decoder.generated(r) - len(chunk), chunk, top)
+                        self.policy.token_logprobs(r, decoder.generated(r) - len(tokens), tokens, top)
                     try:
-                        stop = h._put(chunk, logprobs)
+                        stop = h._put(tokens, logprobs)
                     except Exception as e:  # noqa: BLE001 - the request's own callback failed: only it ends
                         self.release(decoder, r, "error", f"on_tokens raised {type(e).__name__}: {e}")
                         continue

@@ -36,7 +36,7 @@ from ..model.quantized import rounds_delta
 from ..model.routing import ALL
 from ..model.state import state_of
 from ..model.walk import layer_adapters, named_lora_layers
-from . import layer as lora_forward
+from . import layer as lora_layer
 
 # Sibling LoRA layers that read the same input tensor in the architectures we know. Their shrinks
 # become one matmul over the concatenated A (measured on the CPU: one shrink for q/k/v costs
@@ -325,7 +325,7 @@ class AdapterBank:
         # One route per layer for the bank's lifetime (routing.py).
         self._routes = {
             m: (lambda original, x, *args, _m=m, _layer=self.layers.get(m), **kwargs:
-                lora_forward.forward(self, _m, _layer, x, *args, **kwargs))
+                lora_layer.forward(self, _m, _layer, x, *args, **kwargs))
             for _, m in self.modules
         }
         self.version += 1
@@ -374,7 +374,7 @@ class AdapterBank:
 
     def check_finite(self, adapters) -> None:
         """A ValueError if one of ``adapters`` has a value that is not finite (NaN or Inf) in its
-        stacks: its rows' outputs would be undefined (other rows' never are: lora_forward.packed_shrink)."""
+        stacks: its rows' outputs would be undefined (other rows' never are: lora_layer.packed_shrink)."""
         for layer in self.layers.values():
             for slot in layer.nonfinite:
                 if self.adapter_names[slot] in adapters:
@@ -425,7 +425,7 @@ class AdapterBank:
 
     @contextlib.contextmanager
     def installed(self, context, round_delta: bool = True):
-        """Route every LoRA layer's forward through lora_forward.forward (base_layer(x) + the delta
+        """Route every LoRA layer's forward through lora_layer.forward (base_layer(x) + the delta
         from these stacks) in ``context``'s passes (context.py); restore on exit. ``round_delta``:
         PEFT's mixed-batch numerics (adapter_names=), else its one-adapter numerics (the module
         docstring)."""

@@ -9,10 +9,10 @@ import os
 
 from starlette.concurrency import run_in_threadpool
 
-from ..adapter_files import OutsideRoots, Unreadable
-from ..adapter_pool import check_name
-from ..engine import AdapterBusy, AdapterExists, AdapterUnsupported, LastAdapter, NotRunning, UnknownAdapter
-from ..lora import BASE
+from ..engine.adapter_pool import check_name
+from ..engine.engine import AdapterBusy, AdapterExists, AdapterUnsupported, LastAdapter, NotRunning, UnknownAdapter
+from ..lora.files import OutsideRoots, Unreadable
+from ..model.walk import BASE
 from .protocol import ApiError, bad, json_body, show
 
 logger = logging.getLogger("hf_invisiblelora.serve")

@@ -11,7 +11,7 @@ import sys
 import uvicorn
 from starlette.concurrency import run_in_threadpool
 
-from ..adapter_files import MAX_RANK
+from ..lora.files import MAX_RANK
 from .admin import missing
 from .app import Server, build_app
 from .protocol import MAX_BODY_BYTES
@@ -191,7 +191,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def build_server(args: argparse.Namespace) -> Server | int:
     """The Server of ``args`` (the model and adapters loaded, the engine started), or the exit code of
     what is missing (printed)."""
-    from ..engine import PREFILL_CHUNK, Engine
+    from ..engine.engine import PREFILL_CHUNK, Engine
     from ..threads import set_threads
 
     problems = [missing(f"--lora {name}={path}", path, "adapter_config.json", "a PEFT adapter folder")

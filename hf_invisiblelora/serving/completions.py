@@ -10,8 +10,8 @@ import uuid
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from ..lora import BASE
-from ..engine import NotRunning, PromptTooLong, QueueFull, UnknownAdapter
+from ..engine.engine import NotRunning, PromptTooLong, QueueFull, UnknownAdapter
+from ..model.walk import BASE
 from .bridge import ClientGone, Completion, Job
 from .protocol import ApiError, Sampling, bad, internal_error, json_body, not_found, show
 from .text import Stops

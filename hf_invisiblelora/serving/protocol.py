@@ -9,7 +9,7 @@ import math
 
 from starlette.concurrency import run_in_threadpool
 
-from ..engine import Request
+from ..engine.engine import Request
 
 MAX_STOP_STRINGS = 16
 MAX_BODY_BYTES = 4 * 2**20  # --max-body-bytes: room for a 1 MB prompt, or a list of a million token ids

@@ -21,8 +21,23 @@ Progress is logged to the ``hf_invisiblelora.zoo`` logger (the commands show it 
 from . import assets, corpora
 from .assets import AssetUnavailable
 from .recipes import ALL_LINEAR, ATTENTION, ZOOS, Recipe
-from .store import (QUANTIZATIONS, adapter_path, adapter_prompts, build, built_adapters, corpus_vocabulary, heldout_prompts, is_built,
-                    load_zoo, measure_acceptance, mixed_prompts, read_manifest, table, write_manifest, zoo_dir)
+from .store import (
+                    QUANTIZATIONS,
+                    adapter_path,
+                    adapter_prompts,
+                    build,
+                    built_adapters,
+                    corpus_vocabulary,
+                    heldout_prompts,
+                    is_built,
+                    load_zoo,
+                    measure_acceptance,
+                    mixed_prompts,
+                    read_manifest,
+                    table,
+                    write_manifest,
+                    zoo_dir,
+)
 
 __all__ = [
     "assets", "corpora", "AssetUnavailable", "QUANTIZATIONS", "built_adapters", "ALL_LINEAR", "ATTENTION", "ZOOS", "Recipe", "build", "corpus_vocabulary",

@@ -96,7 +96,7 @@ def build(model: str = "smollm2", only: list[str] | None = None, recipes: dict[s
     return folder
 
 
-# Weight-only torchao quantizations of a zoo base (the kinds hf_invisiblelora/quantized.py serves;
+# Weight-only torchao quantizations of a zoo base (the kinds hf_invisiblelora/model/quantized.py serves;
 # int4 in groups of 32 inputs, which divide every zoo model's widths).
 QUANTIZATIONS = {
     "int8": lambda ao, torch: ao.Int8WeightOnlyConfig(),
