@@ -46,18 +46,23 @@ from tiny import synthetic_zoo
 # The eager configurations pass compile=False: "auto" would capture CUDA graphs on CUDA.
 CONFIGS = {
     "stock_peft": {},
-    "baseline": dict(invisible_lora=True, gate="never", compile=False),
-    "k1": dict(invisible_lora=True, gate="always", num_draft_tokens=1, compile=False),
-    "k2": dict(invisible_lora=True, gate="always", num_draft_tokens=2, compile=False),
-    "k4": dict(invisible_lora=True, gate="always", num_draft_tokens=4, compile=False),
+    # Fixed choices run the full base model as the drafter (draft_dtype=None): what k does alone.
+    "baseline": dict(invisible_lora=True, gate="never", compile=False, draft_dtype=None),
+    "k1": dict(invisible_lora=True, gate="always", num_draft_tokens=1, compile=False, draft_dtype=None),
+    "k2": dict(invisible_lora=True, gate="always", num_draft_tokens=2, compile=False, draft_dtype=None),
+    "k4": dict(invisible_lora=True, gate="always", num_draft_tokens=4, compile=False, draft_dtype=None),
+    # The defaults (draft_dtype="auto": the gate also picks among int8 / int4 draft copies on the CPU).
     "gate": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False),
+    # The gate with the full base model as its only drafter (the default before draft_dtype="auto").
+    "gate_full": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_dtype=None),
     # The baseline again, as a control: its ratio to the baseline is the run's noise (an A/A test).
-    "control": dict(invisible_lora=True, gate="never", compile=False),
+    "control": dict(invisible_lora=True, gate="never", compile=False, draft_dtype=None),
     # The baseline with PyTorch's own linear kernels (no prepacked weights: hf_invisiblelora/model/prepack.py).
-    "baseline_unpacked": dict(invisible_lora=True, gate="never", compile=False, prepack=False),
+    "baseline_unpacked": dict(invisible_lora=True, gate="never", compile=False, prepack=False, draft_dtype=None),
     # Cheaper drafters (hf_invisiblelora/decode/drafters.py): the head on a vocabulary from the zoo's training
     # text (--draft-vocab tokens), bfloat16 draft weights, both.
-    "gate_vocab": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus"),
+    "gate_vocab": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus",
+                       draft_dtype=None),
     "gate_bf16": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_dtype=torch.bfloat16),
     "gate_vocab_bf16": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus",
                             draft_dtype=torch.bfloat16),

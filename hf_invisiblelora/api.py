@@ -65,7 +65,7 @@ class InvisibleLoRAOutput(GenerateDecoderOnlyOutput):
 
 
 def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 4, gate: str = "auto",
-             lora_backend: str = "bank", generator=None, compile="auto", draft_vocab=None, draft_dtype=None, prepack="auto", **kwargs):
+             lora_backend: str = "bank", generator=None, compile="auto", draft_vocab=None, draft_dtype="auto", prepack="auto", **kwargs):
     """Lossless InvisibleLoRA decoding of a PEFT LoRA causal LM; same arguments and output as ``model.generate``.
 
     adapter_names: one adapter per row (``"__base__"`` = no adapter); default: the active adapter.
@@ -85,8 +85,10 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         model's prompts and outputs (plus the prompts' tokens), or to a list of token ids (drafters.py).
     draft_dtype: the drafter's linear layers in this dtype: torch.bfloat16 / torch.float16, or
         weight-only torch.int8 / torch.int4 (the CPU; drafters.py); or a tuple of choices (None: full
-        precision), among which the gate picks per cycle by measured cost and acceptance. Both
-        options make draft passes cheaper where the kernels are fast, and keep the output exact.
+        precision), among which the gate picks per cycle by measured cost and acceptance; "auto"
+        (the default): (None, torch.int8, torch.int4) for eager passes on the CPU where the copies
+        fit in half the memory available, else None. Both options make draft passes cheaper where the kernels are
+        fast, and keep the output exact.
     prepack: the eager passes' float32 linear layers on the CPU run on copies of their weights
         prepacked for oneDNN (faster matmuls; the weights' size again in memory; prepack.py): "auto"
         (where the copies fit in half the memory available), True or False.
@@ -100,7 +102,9 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab)
     check_prepack(prepack)
     check_model(model)
-    draft_dtypes = check_draft_dtype(draft_dtype, model.device)
+    # compile=True, or "auto" where warm_up built compiled passes: those passes' drafter ("auto").
+    draft_dtypes = check_draft_dtype(draft_dtype, model,
+                                     compiled=compile is True or compile == "auto" and bool(state_of(model).buckets))
     inner = model.get_base_model()
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None or kwargs.get("inputs_embeds") is not None:

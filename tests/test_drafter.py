@@ -78,7 +78,8 @@ def test_restricted_drafts_stay_in_the_vocabulary():
                  return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert sum(out.stats.accepted) == 0 < sum(out.stats.drafted)
-    full = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2, return_dict_in_generate=True)
+    full = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2, draft_dtype=None,
+                  return_dict_in_generate=True)
     assert sum(full.stats.accepted) == sum(full.stats.drafted)  # the same drafter with its whole head: all accepted
 
 
@@ -144,3 +145,38 @@ def test_weight_only_drafters_run_their_kernels(monkeypatch, dtype, kernel, tole
     out = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2, draft_dtype=dtype,
                  return_dict_in_generate=True)
     assert torch.equal(out.sequences, greedy(model, ids, mask)) and calls
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int4])
+@pytest.mark.parametrize("in_features", [4, 8, 24, 33])
+def test_weight_only_kernels_only_where_their_shapes_hold(monkeypatch, dtype, in_features):
+    """Layers whose widths the weight-only kernels do not take (torch 2.13's int8 kernel segfaults on
+    in_features 8 or 24 with several rows: Gemma-3n's AltUp layers) draft in bfloat16 instead, the
+    kernel never called."""
+    from hf_invisiblelora.decode.drafters import low_precision_linear
+
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: pytest.fail("int8 kernel called"))
+    monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", lambda *a: pytest.fail("int4 kernel called"))
+    g = torch.Generator().manual_seed(0)
+    weight, bias, x = torch.randn(16, in_features, generator=g), torch.randn(16, generator=g), torch.randn(3, in_features)
+    got = low_precision_linear(weight, bias, dtype)(x)
+    expected = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16(), bias.bfloat16()).float()
+    assert torch.equal(got, expected)
+
+
+def test_auto_draft_dtypes():
+    """draft_dtype="auto" (the default): the full model and its int8 / int4 copies on the CPU where the
+    copies fit in half the memory available; the full model alone where they do not."""
+    from hf_invisiblelora.decode import drafters
+
+    model = tiny_peft("llama", strength=0.6)
+    assert drafters.check_dtype("auto", model) == (None, torch.int8, torch.int4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(drafters, "available_bytes", lambda: 1000)
+        assert drafters.check_dtype("auto", model) == (None,)
+    with pytest.raises(ValueError, match="draft_dtype"):
+        drafters.check_dtype("fast", model)
+    ids, mask = prompts(LENGTHS)
+    out = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, greedy(model, ids, mask))
+    assert {"s", ("s", "/torch.int8"), ("s", "/torch.int4")} <= set(state_of(model).gate.trials)  # each drafted

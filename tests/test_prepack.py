@@ -96,10 +96,10 @@ def test_auto_leaves_them_out_without_the_memory(monkeypatch):
     calls = counted(monkeypatch)
     model = fp32_model()
     ids, mask = prompts(LENGTHS)
-    monkeypatch.setattr(prepack, "_available_bytes", lambda: 1000)
+    monkeypatch.setattr(prepack, "available_bytes", lambda: 1000)
     greedy(model, ids, mask, invisible_lora=True)
     assert not calls and not state_of(model).packed
-    monkeypatch.setattr(prepack, "_available_bytes", lambda: 2**40)
+    monkeypatch.setattr(prepack, "available_bytes", lambda: 2**40)
     greedy(model, ids, mask, invisible_lora=True)
     assert calls and state_of(model).packed
 

@@ -512,5 +512,5 @@ def test_draft_dtype_option_takes_several():
     """--draft-dtype float32 int8 int4: the gate's choices, as Engine(draft_dtype=) takes them."""
     from hf_invisiblelora.serving.cli import draft_dtypes
 
-    assert draft_dtypes(None) is None and draft_dtypes(["int4"]) is torch.int4
+    assert draft_dtypes(None) == "auto" and draft_dtypes(["auto"]) == "auto" and draft_dtypes(["int4"]) is torch.int4
     assert draft_dtypes(["float32", "int8", "int4"]) == (None, torch.int8, torch.int4)

@@ -34,8 +34,8 @@ the gate picks one per cycle by its measured draft cost and acceptance (gate.py)
   float16 (activations cast at each layer), or weight-only int8 (per output channel) or int4 (per
   group of 32 inputs, PyTorch's CPU kernels ``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``,
   bfloat16 activations), which read 4x / 8x fewer weight bytes than float32. Which is faster
-  depends on the CPU's kernels (benchmarks/bench_draft_kernels.py); a layer whose shape the int4
-  kernel does not take runs in bfloat16. Layers of a quantized base model (quantized.py) draft as
+  depends on the CPU's kernels (benchmarks/bench_draft_kernels.py); a layer whose shape the int8
+  or int4 kernel does not take runs in bfloat16. Layers of a quantized base model (quantized.py) draft as
   they are.
 
 Installed for one call: its layers' routes (routing.py) act only in its own draft passes.
@@ -51,6 +51,7 @@ from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
 from ..model.derived import DerivedCopies, SourceCheck
+from ..model.prepack import available_bytes
 from ..model.quantized import dense_weight, plain
 from ..model.routing import draft
 from ..model.walk import adapter_copies, linears
@@ -58,12 +59,29 @@ from ..model.walk import adapter_copies, linears
 COUNTS = "token_counts"  # the model state's key: how often each token id was seen
 DTYPES = (torch.bfloat16, torch.float16, torch.int8, torch.int4)  # draft_dtype's choices
 INT4_GROUP = 32
+# _weight_int8pack_mm takes in_features in multiples of this: torch 2.13 on the CPU segfaults for
+# in_features 8, 24, 40 (or 4, 33) with more than one row (found by the architecture sweep:
+# Gemma-3n's AltUp layers, 4 inputs); every multiple of 16 tried ran (16 to 576, 1 to 33 rows).
+INT8_WIDTH = 16
 
 
-def check_dtype(dtype, device: torch.device) -> tuple:
+# draft_dtype="auto" (the default) on the CPU: the full base model and its weight-only int8 and int4
+# copies, among which the gate picks per cycle by measured cost and acceptance. Measured on SmolLM2
+# with its zoo (docs/benchmarks.md, "Cheap drafters by default"): 1.6x the default of before at one
+# row, 1.1-1.2x at four; the gate keeps to the full model or plain steps where they do not pay.
+AUTO = (None, torch.int8, torch.int4)
+
+
+def check_dtype(dtype, model, compiled: bool = False) -> tuple:
     """``draft_dtype`` checked: a draft dtype the model's device has kernels for (the weight-only ones
     are PyTorch's CPU kernels), or a tuple / list of them (None: full precision) for the gate to
-    choose among. Returns the choices as a tuple."""
+    choose among, or "auto" (``auto_dtypes``; the model as it is for a call on ``compiled`` passes,
+    which would compile a draft pass per drafter and which warm_up builds for that drafter).
+    Returns the choices as a tuple."""
+    if isinstance(dtype, str):
+        if dtype != "auto":
+            raise ValueError(f"draft_dtype must be \"auto\", a dtype or a list of them, got {dtype!r}.")
+        return (None,) if compiled else auto_dtypes(model)
     choices = tuple(dtype) if isinstance(dtype, (tuple, list)) else (dtype,)
     if not choices or len(set(choices)) != len(choices):
         raise ValueError(f"draft_dtype as a list needs distinct choices (None: full precision), got {dtype!r}.")
@@ -71,9 +89,23 @@ def check_dtype(dtype, device: torch.device) -> tuple:
         if d is not None and d not in DTYPES:
             raise ValueError(f"draft_dtype must be one of {[str(d) for d in DTYPES]} (or a list of them and None), "
                              f"got {d!r}.")
-        if d in (torch.int8, torch.int4) and device.type != "cpu":
-            raise ValueError(f"draft_dtype={d} uses PyTorch's CPU kernels; on {device.type} use torch.bfloat16.")
+        if d in (torch.int8, torch.int4) and model.device.type != "cpu":
+            raise ValueError(f"draft_dtype={d} uses PyTorch's CPU kernels; on {model.device.type} use torch.bfloat16.")
     return choices
+
+
+def auto_dtypes(model) -> tuple:
+    """``AUTO`` on the CPU where the model has float linear layers to copy (a quantized base drafts as
+    it is) and their int8 and int4 copies fit in half the memory available (as prepack="auto");
+    else the base model as it is."""
+    if model.device.type != "cpu":
+        return (None,)
+    weights = [m.weight for m in linears(model) if plain(m.weight) and m.weight.dtype.is_floating_point]
+    copies = sum(w.numel() for w in weights) * 3 // 2  # int8: 1 byte per weight, int4: half of one
+    room = available_bytes()
+    if not weights or room is not None and 2 * copies > room:
+        return (None,)
+    return AUTO
 
 
 def low_precision_linear(weight: torch.Tensor, bias, dtype):
@@ -97,7 +129,7 @@ def low_precision_linear(weight: torch.Tensor, bias, dtype):
                                                   scale_zero)
             return (y if bias is None else y + bias).reshape(*x.shape[:-1], out_features).to(x.dtype)
         return int4
-    if dtype == torch.int8:
+    if dtype == torch.int8 and in_features % INT8_WIDTH == 0:
         scale = w.abs().amax(1).clamp(min=1e-12) / 127
         q = (w / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
         scale = scale.to(torch.bfloat16)
@@ -106,7 +138,7 @@ def low_precision_linear(weight: torch.Tensor, bias, dtype):
             y = torch._weight_int8pack_mm(x.reshape(-1, in_features).to(torch.bfloat16), q, scale)
             return (y if bias is None else y + bias).reshape(*x.shape[:-1], out_features).to(x.dtype)
         return int8
-    w = weight.detach().to(float_dtype)  # (int4: a shape its kernel does not take)
+    w = weight.detach().to(float_dtype)  # (a shape the int8 / int4 kernel does not take)
     return lambda x: nn.functional.linear(x.to(float_dtype), w, bias).to(x.dtype)
 
 

@@ -99,7 +99,7 @@ class Engine:
     def __init__(self, model, max_batch: int = 8, max_len: int = 1024, num_draft_tokens: int = 4,
                  gate: str = "auto", max_queue: int = 1024, max_loras: int | None = None,
                  max_cpu_loras: int | None = None, adapter_paths: dict | None = None, draft_vocab=None,
-                 draft_dtype=None, prepack="auto", prefill_chunk: int | None = PREFILL_CHUNK,
+                 draft_dtype="auto", prepack="auto", prefill_chunk: int | None = PREFILL_CHUNK,
                  max_lora_rank: int = MAX_RANK):
         """``max_loras``, ``max_cpu_loras``: the bounds of the module docstring (None: none).
         ``adapter_paths``: {name: local PEFT adapter folder}, for adapters the model has loaded (so
@@ -126,7 +126,7 @@ class Engine:
         self.vocab_size = inner.get_input_embeddings().weight.shape[0]  # also under a LoRA or modules_to_save wrapper
         self.state = state_of(model)
         self.draft_vocab = fixed_vocabulary(draft_vocab, self.state, inner, self.vocab_size)  # (ids or None, size)
-        self.draft_dtypes = check_draft_dtype(draft_dtype, inner.device)
+        self.draft_dtypes = check_draft_dtype(draft_dtype, model)
         self.prepack = prepack
         self.error = None  # what stopped the engine's thread, if it failed
         limit = getattr(inner.config.get_text_config(decoder=True), "max_position_embeddings", None)

@@ -51,7 +51,8 @@ def _eligible(m) -> bool:
         and packed_linear.available(w.dtype, w.device) and "forward" not in m.__dict__ and not m._forward_pre_hooks
 
 
-def _available_bytes() -> int | None:
+def available_bytes() -> int | None:
+    """The memory the OS says is available (MemAvailable), or None where it cannot tell."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -80,7 +81,7 @@ class PackedLinears:
         if not modules:
             return
         new = sum(m.weight.numel() * 4 for m in modules if kept.kept(m, self.KIND) is None)
-        room = _available_bytes()
+        room = available_bytes()
         if mode == "auto" and new and room is not None and 2 * new > room:
             logger.info("hf_invisiblelora: linear layers not prepacked (%d MB of copies; %d MB of memory available).",
                         new >> 20, room >> 20)

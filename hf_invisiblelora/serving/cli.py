@@ -106,12 +106,12 @@ def parse_lora(text: str) -> tuple[str, str]:
 
 
 def draft_dtypes(names):
-    """--draft-dtype's values as Engine(draft_dtype=) takes them: None, a dtype, or a tuple of choices
-    (float32: the model's own precision, None)."""
+    """--draft-dtype's values as Engine(draft_dtype=) takes them: "auto", None, a dtype, or a tuple of
+    choices (float32: the model's own precision, None)."""
     import torch
 
-    if not names:
-        return None
+    if not names or names == ["auto"]:
+        return "auto"
     dtypes = tuple(None if n == "float32" else getattr(torch, n) for n in names)
     return dtypes[0] if len(dtypes) == 1 else dtypes
 
@@ -149,9 +149,11 @@ def parser() -> argparse.ArgumentParser:
                         "longer prompts are prefilled in chunks, one between two decoding cycles (0: every prompt "
                         "in one pass)")
     p.add_argument("--gate", default="auto", choices=("auto", "always", "never"))
-    p.add_argument("--draft-dtype", nargs="+", choices=("float32", "bfloat16", "float16", "int8", "int4"),
+    p.add_argument("--draft-dtype", nargs="+", default=["auto"],
+                   choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
                    help="the drafter's linear layers in this dtype (int8 / int4: weight-only, the CPU); several "
-                        "(e.g. float32 int8 int4; float32: the model's own precision): the gate picks one per cycle")
+                        "(e.g. float32 int8 int4; float32: the model's own precision): the gate picks one per cycle; "
+                        "auto (default): float32 int8 int4 on the CPU where the copies fit in memory, else float32")
     p.add_argument("--prepack", default="auto", choices=("auto", "on", "off"),
                    help="float32 linear layers on weight copies prepacked for oneDNN (the CPU: faster matmuls, the "
                         "weights' size again in memory); auto: where the copies fit in half the memory available")
