@@ -68,9 +68,10 @@ def server_argv(args: dict) -> list[str]:
             if str(value).strip().lower() in ("1", "true", "yes", "on"):
                 argv.append(flag)
             continue
+        repeatable = action.nargs is None and isinstance(action.default, list)  # --lora a=x --lora b=y
         values = value if isinstance(value, (list, tuple)) else \
-            str(value).split(",") if action.nargs == "+" or isinstance(action.default, list) else [value]
-        if isinstance(action.default, list):  # repeatable: --lora a=x --lora b=y
+            str(value).split(",") if action.nargs == "+" or repeatable else [value]
+        if repeatable:
             for v in values:
                 argv += [flag, str(v)]
         else:
