@@ -91,9 +91,11 @@ SAMPLED = ("stock_peft", "baseline", "k2", "gate", "control")  # the configurati
 
 
 def load(kind: str, device: str, dtype: torch.dtype, strength: float, zoo_name: str = "smollm2",
-         quantize: str | None = None):
+         quantize: str | None = None, adapters: list | None = None, prompt_tokens: int = 32):
     """(peft_model on device/dtype, encode(prompts) -> inputs on device, adapter names, prompts_for(name, count, seed));
-    ``quantize``: the zoo's base quantized on loading (zoo.QUANTIZATIONS)."""
+    ``quantize``: the zoo's base quantized on loading (zoo.QUANTIZATIONS); ``adapters``: the zoo's
+    adapters to load, in the order the workloads take them (default: all built); ``prompt_tokens``:
+    the length of the held-out prompts."""
     tok = None
     if kind == "synthetic":  # prompts are token ids, all of one length
         model, names, prompts_for = synthetic_zoo(strength)
@@ -109,10 +111,10 @@ def load(kind: str, device: str, dtype: torch.dtype, strength: float, zoo_name: 
     else:
         from hf_invisiblelora import zoo
 
-        model, tok, names = zoo.load_zoo(zoo_name, dtype=dtype, quantize=quantize)
+        model, tok, names = zoo.load_zoo(zoo_name, adapters, dtype=dtype, quantize=quantize)
 
         def prompts_for(name, n, seed):
-            return zoo.adapter_prompts(zoo_name, tok, name, n, 32, seed=seed)
+            return zoo.adapter_prompts(zoo_name, tok, name, n, prompt_tokens, seed=seed)
 
     def encode(prompts):
         if tok is None:
@@ -346,6 +348,9 @@ def main(argv=None):
                    help="SmolLM2-135M's shape with random weights and 16 random adapters instead of the zoo (no files needed)")
     p.add_argument("--stock-batches", nargs="+", type=int,
                    help="run stock_peft only at these batch sizes (its per-adapter loop is slow on a GPU)")
+    p.add_argument("--adapters", nargs="+", help="the zoo's adapters, in the order the workloads take them "
+                   "(another adapter set; default: all built)")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="length of the zoo's held-out prompts")
     p.add_argument("--zoo", default="smollm2", choices=["smollm2", "gemma3"], help="the zoo's base model")
     p.add_argument("--quantize", choices=sorted(QUANTIZATIONS),
                    help="the zoo's base quantized by torchao on loading (weight-only; extra quant): every configuration "
@@ -368,7 +373,7 @@ def main(argv=None):
     if args.quantize and kind != "zoo":
         p.error("--quantize applies to the zoo's base model")
     model, encode, names, prompts_for, tok = load(kind, args.device, getattr(torch, args.dtype), args.strength, args.zoo,
-                                                  args.quantize)
+                                                  args.quantize, args.adapters, args.prompt_tokens)
     if not args.no_extras or any(CONFIGS[c].get("draft_vocab") == "corpus" for c in args.configs or CONFIGS):
         if kind == "zoo":
             from hf_invisiblelora import zoo

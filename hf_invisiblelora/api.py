@@ -29,7 +29,7 @@ from .decode.checks import (
     resolve_adapter_names,
 )
 from .decode.drafters import (
-    BaseModelDrafter,
+    base_drafters,
     check_dtype as check_draft_dtype,
     check_vocabulary,
     observe as observe_tokens,
@@ -202,8 +202,7 @@ def decode(call: Call, inner, input_ids, logits_processor, stopping_criteria, ge
     vocab_size = inner.config.get_text_config(decoder=True).vocab_size
     vocab = draft_vocab if draft_vocab is None or not isinstance(draft_vocab, int) else \
         drafter_vocabulary(state, draft_vocab, input_ids, vocab_size)
-    drafters = [BaseModelDrafter(model, state, None if vocab is None else torch.as_tensor(vocab), d,
-                                 size=draft_vocab if isinstance(draft_vocab, int) else None) for d in draft_dtypes]
+    drafters = base_drafters(model, state, draft_dtypes, vocab, size=draft_vocab if isinstance(draft_vocab, int) else None)
     length = None
     if call.warm_only and state.buckets:  # a bucket warm_up (or compile=True) built, whose passes this call can take
         length = warmed(state.buckets, get_bank(model, adapters=()), input_ids.device, inner.dtype, b, width, rows,

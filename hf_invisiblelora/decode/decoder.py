@@ -275,16 +275,18 @@ class Decoder:
             drafts, draft_probs = drafter.propose(self.fwd, batch, hi, k, self.policy)
         if self.recompute is not None:
             self.recompute.before_verify(self.fwd, batch)
+        # The gate weighs whole cycles: what follows the drafts (verify, accept, commit) is timed as
+        # one, so the work a cycle does besides its passes counts against the k that caused it.
         with self.timer("verify"):
             scores = verify(self.fwd, batch, hi, k, self.policy)
-        n, next_token = self.policy.accept(drafts, draft_probs, scores, batch, slice(0, hi))
-        if self.recompute is not None:
-            n, next_token = self.recompute.cap(batch, hi, n, next_token, drafts)
-        if self.scores is not None:  # position t of the verify pass chose token gen + t
-            self.scores.record(torch.arange(hi, device=scores.device), batch.gen_h[:hi], scores,
-                               live=[not d for d in batch.done_h[:hi]])
-        committed, n_h = commit(batch, hi, n, next_token, k, self.eos, self.criteria, self.freeze,
-                                time_limits=self.time_limits, scores=self.scores)
+            n, next_token = self.policy.accept(drafts, draft_probs, scores, batch, slice(0, hi))
+            if self.recompute is not None:
+                n, next_token = self.recompute.cap(batch, hi, n, next_token, drafts)
+            if self.scores is not None:  # position t of the verify pass chose token gen + t
+                self.scores.record(torch.arange(hi, device=scores.device), batch.gen_h[:hi], scores,
+                                   live=[not d for d in batch.done_h[:hi]])
+            committed, n_h = commit(batch, hi, n, next_token, k, self.eos, self.criteria, self.freeze,
+                                    time_limits=self.time_limits, scores=self.scores)
         drafter.learn(batch, hi, n_h)
         for r in active:
             self.drafted[r] += k

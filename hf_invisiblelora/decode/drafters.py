@@ -297,6 +297,13 @@ class BaseModelDrafter:
         return forward
 
 
+def base_drafters(model, state, dtypes: tuple, vocab=None, size: int | None = None) -> list:
+    """One ``BaseModelDrafter`` per draft dtype (``check_dtype``'s choices), all with the head on
+    ``vocab`` (token ids, or None)."""
+    vocab = None if vocab is None else torch.as_tensor(vocab)
+    return [BaseModelDrafter(model, state, vocab, d, size=size) for d in dtypes]
+
+
 def _route(draft_forward):
     return lambda original, x, *args, **kwargs: draft_forward(x)
 

@@ -13,8 +13,10 @@ and drafts only if that promises MARGIN more speed than plain steps. Given sever
 (drafters.py: ``draft_dtype=(None, torch.int4)``), it picks the one whose best k finishes soonest.
 
 Acceptance is tracked per adapter and drafter (decayed success/trial counts, seeded by a prior,
-pooled over rows and calls; a cheaper drafter, drafters.py, is accepted less often); pass costs are measured from the passes themselves, per batch shape (rows,
-distinct adapters, eager or compiled) and tokens per row, as the median of the last few timings.
+pooled over rows and calls; a cheaper drafter, drafters.py, is accepted less often); costs are measured from the cycles themselves (a draft
+pass; what follows it: verify, accept, commit), per batch shape (rows, distinct adapters, eager or
+compiled) and tokens per row, as the fastest of the last few timings (interference only slows a
+pass, so both sides of a decision are weighed by what the work itself costs).
 Both live in the model's state (state.py), so later generate calls start informed.
 
 Exploring is cheap and gradual: with nothing measured it calibrates with the cheapest cycles (a
@@ -34,13 +36,12 @@ draft cost is refreshed, every COST_BOUND_PROBE cycles at the most often.
 from __future__ import annotations
 
 import bisect
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 4.0  # ~70-80% measured on real small-model adapters
 DECAY = 0.98  # per observed cycle: recent acceptance counts more (adapters drift with the domain)
-COST_WINDOW = 8  # a pass's cost: the median of its last 8 timings
+COST_WINDOW = 8  # a pass's cost: the fastest of its last 8 timings
 PROBE_AFTER = 16  # cycles before re-checking the other side of the decision; doubles while the
 PROBE_MAX = 1024  # decision holds, up to this (one off-decision cycle per 1024 costs ~0.1%)
 COST_BOUND_PROBE = 256  # the first re-check when only costs decide (a k = 1 cycle that loses ~a step)
@@ -74,7 +75,10 @@ class GateMemory:
     def observe_cost(self, key, seconds: float) -> None:
         window = self.timings.setdefault(key, deque(maxlen=COST_WINDOW))
         window.append(seconds)
-        self.costs[key] = statistics.median(window)
+        # The fastest, not the median: other processes, the allocator and cold caches only add time,
+        # and with few timings of a side (one cold plain step at calibration) a median kept the noise
+        # and drafted at a loss (docs/design.md). A lasting slowdown is followed once the window turns.
+        self.costs[key] = min(window)
 
 
 def _best(rows, costs, options) -> tuple[int, float]:

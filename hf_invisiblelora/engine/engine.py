@@ -45,7 +45,7 @@ import torch
 
 from ..decode.checks import check_adapter_state, check_model, check_options
 from ..decode.decoder import Decoder
-from ..decode.drafters import BaseModelDrafter, check_dtype as check_draft_dtype, fixed_vocabulary
+from ..decode.drafters import base_drafters, check_dtype as check_draft_dtype, fixed_vocabulary
 from ..decode.policies import RequestPolicy
 from ..decode.session import Session, lora_backend
 from ..lora.files import MAX_RANK
@@ -310,8 +310,7 @@ class Engine:
 
     def _session(self) -> Session:
         """The decoder's assembly (session.py): every row its own request (RequestPolicy) and adapter."""
-        vocab, size = self.draft_vocab
-        drafters = [BaseModelDrafter(self.model, self.state, vocab, d, size=size) for d in self.draft_dtypes]
+        drafters = base_drafters(self.model, self.state, self.draft_dtypes, *self.draft_vocab)
         return Session(self.model, self.state, self._policy, capacity=self.max_batch, width=self.max_len, mixed=True,
                        lora_backend=lora_backend(self.model, self.model.peft_config), gate=self.gate_mode,
                        num_draft_tokens=self.num_draft_tokens, drafters=drafters, prepack=self.prepack,
