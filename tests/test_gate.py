@@ -13,6 +13,8 @@ from hf_invisiblelora.decode.gate import (
     PROBE_AFTER,
     Gate,
     GateMemory,
+    cycles,
+    expected_max,
     expected_tokens,
 )
 
@@ -34,10 +36,18 @@ def gate_with(costs_by_q, draft_cost, acceptance, rows=ROWS, mode="auto"):
     return gate
 
 
-def brute_force_best(costs_by_q, draft_cost, acc):
-    """With every row 50 tokens from its end, the row that accepts least finishes last."""
-    a = min(acc)
-    rate = [sum(a**j for j in range(k + 1)) / (k * draft_cost + costs_by_q[k + 1]) for k in range(K + 1)]
+def brute_force_best(costs_by_q, draft_cost, acc, remaining=50):
+    """With every row ``remaining`` tokens from its end, the row that accepts least finishes last:
+    its cycles' mean plus the spread of the slowest of the drafting rows (Monte Carlo below checks it)."""
+    a, n = min(acc), sum(1 for x in acc if x < 1)
+    z = expected_max(n)
+    rate = []
+    for k in range(K + 1):
+        p = [a**(j - 1) * (1 - a) for j in range(1, k + 1)] + [a**k]  # tokens committed: j = 1..k+1
+        mu = sum(j * q for j, q in enumerate(p, 1))
+        var = sum(j * j * q for j, q in enumerate(p, 1)) - mu * mu
+        n_cycles = remaining / mu + z * (remaining * var / mu**3) ** 0.5
+        rate.append(1 / (n_cycles * (k * draft_cost + costs_by_q[k + 1])))
     rate[0] *= MARGIN  # drafting must promise a margin over a plain step
     return max(range(K + 1), key=rate.__getitem__)
 
@@ -46,6 +56,39 @@ def test_expected_tokens():
     assert expected_tokens(1.0, 50, 3) == 4 and expected_tokens(0.0, 50, 3) == 1
     assert expected_tokens(0.5, 50, 2) == pytest.approx(1 + 0.5 + 0.25)
     assert expected_tokens(1.0, 2, 3) == 2 and expected_tokens(0.5, 1, 3) == 1  # at most what the row has left
+
+
+def test_cycles_of_the_slowest_row_match_a_simulation():
+    """The gate's estimate of the cycles the last of n rows needs (mean plus z(n) standard
+    deviations) against simulated rows committing 1..k+1 tokens a cycle with geometric acceptance
+    (many tokens left: the last cycle's overshoot, which the estimate leaves out, is small)."""
+    gen = torch.Generator().manual_seed(0)
+    for a, k, n, r in ((0.86, 1, 8, 48), (0.7, 3, 4, 64), (0.95, 4, 16, 160), (0.5, 2, 1, 80)):
+        trials = 2000
+        left = torch.full((trials, n), r)
+        count = torch.zeros(trials, n)
+        while (left > 0).any():
+            going = left > 0
+            accepted = (torch.rand(trials, n, k, generator=gen) < a).long().cumprod(-1).sum(-1)
+            left = torch.where(going, left - (accepted + 1), left)
+            count += going
+        simulated = count.max(1).values.mean().item()
+        assert cycles(a, r, k, expected_max(n)) == pytest.approx(simulated, rel=0.04), (a, k, n, r)
+    assert cycles(0.9, 50, 0, 2.0) == 50 and cycles(1.0, 50, 3, 2.0) == 12.5
+    assert expected_max(1) == 0 and expected_max(8) == pytest.approx(1.42, abs=0.02)
+
+
+def test_the_spread_of_many_rows_can_make_drafting_lose():
+    """8 rows accepting 86%: k = 1 promises 3% on the mean rows, but the call waits for its last
+    row, ~5% behind the mean: the gate of a generate call does not draft; an engine's (rows end on
+    their own) does."""
+    rows = [f"a{i % 4}" for i in range(8)]
+    costs = {1: 0.086, 2: 0.108, 3: 0.13}
+    acc = {name: 0.86 for name in rows}
+    assert gate_with(costs, 0.045, acc, rows=rows).choose([48] * 8) == 0
+    g = gate_with(costs, 0.045, acc, rows=rows)
+    g.together = False
+    assert g.choose([48] * 8) == 1
 
 
 def test_no_drafting_when_it_cannot_pay():
@@ -63,7 +106,7 @@ def test_best_k_when_drafting_pays():
         acc = [g.memory.acceptance(n) if n != "__base__" else 1.0 for n in ROWS]
         k = g.choose([50] * 4)
         assert k == brute_force_best(costs, 0.1, acc)
-        assert (k == K) == expect_high
+        assert (k >= K - 1) == expect_high  # (the spread of 3 drafting rows and the overshoot at the end: K - 1 here)
 
 
 def test_interpolates_unmeasured_verify_costs():
@@ -87,7 +130,7 @@ def test_the_row_that_finishes_last_sets_k():
 
 def test_adapts_when_acceptance_changes():
     costs = {q: 0.2 + 0.01 * q for q in range(1, K + 2)}
-    g = gate_with(costs, 0.1, {"x": 0.95, "y": 0.95})
+    g = gate_with(costs, 0.1, {"x": 0.99, "y": 0.99})
     assert g.choose([50] * 4) == K
     for _ in range(400):  # the adapters start disagreeing with the base model
         g.observe(K, [0, 0, 0, K], [True] * 4, draft_s=0.4, verify_s=0.25)
@@ -148,7 +191,7 @@ def test_what_one_adapter_count_measured_serves_another():
 def test_rechecks_a_plain_step_while_drafting():
     # Drafting pays (GPU-like); a plain step now and then keeps its cost, the reference, fresh.
     costs = {q: 0.2 + 0.01 * q for q in range(1, K + 2)}
-    g = gate_with(costs, 0.1, {"x": 0.95, "y": 0.95})
+    g = gate_with(costs, 0.1, {"x": 0.99, "y": 0.99})
     picks = [g.choose([50] * 4) for _ in range(4 * PROBE_AFTER)]
     assert [i for i, k in enumerate(picks) if k != K] == [PROBE_AFTER - 1, 3 * PROBE_AFTER - 1]
     assert picks[PROBE_AFTER - 1] == 0

@@ -4,12 +4,20 @@ Drafting pays only when the adapter work it saves exceeds the draft passes it co
 call lasts until its slowest row is done (finished rows ride along in the batch), so per cycle
 the gate picks k in 0..K minimising the expected time for the row expected to finish last:
 
-    finish(k) = max over active rows of r / tokens(a, r, k) * time(k)
-    tokens(a, r, k) = (1 - a^m) / (1 - a),  m = min(k + 1, r)       (a = the row's per-draft acceptance,
+    finish(k) = max over active rows of cycles(a, r, k) * time(k)
+    cycles(a, r, k) = r / mu + z(n) * sqrt(r * var / mu^3)           (a = the row's per-draft acceptance,
                                                                       1 for __base__; r = tokens it has left)
+    mu, var   = mean and variance of the tokens a cycle commits: m with P(m = j) = a^(j-1) (1 - a)
+                for j < M, a^(M-1) for j = M = min(k + 1, r)
     time(k)   = k * T_draft + T_verify(k + 1)                       (T_verify(1) = a plain step)
 
-and drafts only if that promises MARGIN more speed than plain steps. Given several drafters
+and drafts only if that promises MARGIN more speed than plain steps. Drafting makes each row's
+progress random, and a call lasts until the last of its n rows is done: the expected maximum of
+n rows' cycle counts is their mean plus z(n) standard deviations (z: the expected maximum of n
+standard normals; 0 for one row, 1.4 for 8). The term is measured, not tuned: at 8 rows accepting
+86% of drafts, k = 1 gains 5% on the mean and loses it to the spread, and the first version,
+without it, drafted there at 0.96x of plain steps (docs/benchmarks.md). A serving engine's rows
+end independently (``together=False``): each row's mean. Given several drafters
 (drafters.py: ``draft_dtype=(None, torch.int4)``), it picks the one whose best k finishes soonest.
 
 Acceptance is tracked per adapter and drafter (decayed success/trial counts, seeded by a prior,
@@ -36,6 +44,8 @@ draft cost is refreshed, every COST_BOUND_PROBE cycles at the most often.
 from __future__ import annotations
 
 import bisect
+import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -81,11 +91,11 @@ class GateMemory:
         self.costs[key] = min(window)
 
 
-def _best(rows, costs, options) -> tuple[int, float]:
+def _best(rows, costs, options, z: float) -> tuple[int, float]:
     """(k, its estimated finish time): the k of ``options`` that finishes the row finishing last
     soonest; a plain step wins unless drafting promises MARGIN more speed. ``rows``: (acceptance,
-    tokens left) of the active rows."""
-    finish = [max(r / expected_tokens(a, r, k) for a, r in rows) * costs[k] for k in options]
+    tokens left) of the active rows; ``z``: the spread's weight (``expected_max``)."""
+    finish = [max(cycles(a, r, k, z) for a, r in rows) * costs[k] for k in options]
     finish[0] /= MARGIN
     k = min(options, key=finish.__getitem__)
     return k, finish[k]
@@ -98,12 +108,35 @@ def expected_tokens(a: float, remaining: int, k: int) -> float:
     return float(m) if a >= 1 else (1 - a**m) / (1 - a)
 
 
+def cycles(a: float, remaining: int, k: int, z: float) -> float:
+    """Cycles of k drafts a row needs for its ``remaining`` tokens: the mean (renewal theory: r / mu;
+    the last cycle's overshoot, under one cycle, is left out) plus ``z`` standard deviations
+    (sqrt(r var / mu^3)), mu and var those of the tokens one cycle commits (the module docstring)."""
+    m = min(k + 1, remaining)
+    mu = expected_tokens(a, remaining, k)
+    if a >= 1 or m == 1 or z == 0:
+        return remaining / mu
+    # E[m^2] = sum_j j^2 P(j): P(j) = a^(j-1) (1 - a) for j < m, a^(m-1) for j = m.
+    second = sum(j * j * a ** (j - 1) * (1 - a) for j in range(1, m)) + m * m * a ** (m - 1)
+    var = max(second - mu * mu, 0.0)
+    return remaining / mu + z * math.sqrt(remaining * var / mu**3)
+
+
+def expected_max(n: int) -> float:
+    """The expected maximum of n independent standard normals (Blom's approximation: within 0.03
+    for n <= 64); 0 for one."""
+    return 0.0 if n <= 1 else statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
 class Gate:
     """Chooses k for each cycle of one generate call; learns into a ``GateMemory``."""
 
     def __init__(self, mode: str, max_k: int, memory: GateMemory, base: str, passes: str = "eager",
-                 drafters: tuple = ("",)):
+                 drafters: tuple = ("",), together: bool = True):
         self.mode, self.max_k, self.memory, self.base = mode, max_k, memory, base
+        # Rows that end together (one generate call: it lasts until its last row is done), whose
+        # spread counts; a serving engine's rows are requests that end on their own.
+        self.together = together
         # The drafters' keys (drafters.Drafter.key; "" the base model as it is); the gate picks one per
         # cycle (``pick``: its index), by each one's draft cost and acceptance.
         self.drafters, self.pick, self.turn = list(drafters), 0, -1
@@ -144,13 +177,14 @@ class Gate:
         # Plain floats: this runs every cycle, and small tensor ops would cost more than the arithmetic.
         options = range(min(cap, len(costs[0]) - 1) + 1)
         best, finish, perfect = 0, float("inf"), 0
+        z = expected_max(sum(1 for b, r in zip(self.is_base, remaining) if r and not b)) if self.together else 0.0
         for j, keys in enumerate(self.keys):
             rows = [(1.0 if b else self.memory.acceptance(a), r) for a, b, r in zip(keys, self.is_base, remaining) if r]
-            k, t = _best(rows, costs[j], options)
+            k, t = _best(rows, costs[j], options, z)
             if t < finish:
                 best, finish, self.pick = k, t, j
             # Would drafting pay if every draft were accepted? If not for any drafter, only costs decide.
-            perfect = max(perfect, _best([(1.0, r) for _, r in rows], costs[j], options)[0])
+            perfect = max(perfect, _best([(1.0, r) for _, r in rows], costs[j], options, 0.0)[0])
         k = self._probe(best, cost_bound=perfect == 0)
         if k and not best:  # a re-check of drafting: with the drafter that comes closest to paying
             self.pick = min(range(len(costs)), key=lambda j: costs[j][1])

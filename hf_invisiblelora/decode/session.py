@@ -47,11 +47,13 @@ class Session:
     ``adapter_names=`` takes it), else the model's active adapter; ``drafters``: default the base
     model as it is (several: the gate picks one per cycle); ``compile_backend``: None (eager), "inductor" or "cuda_graphs" (forward.py),
     in the bucket of ``length`` slots if given; ``prepack``: the eager passes' linear layers on
-    prepacked weights ("auto", True, False: prepack.py); the other keywords go to the Decoder."""
+    prepacked weights ("auto", True, False: prepack.py); ``together``: the rows end together (a
+    generate call; False: a serving engine's requests), which the gate weighs (gate.py); the other
+    keywords go to the Decoder."""
 
     def __init__(self, model, state, policy, *, capacity: int, width: int, mixed: bool, lora_backend: str = "bank",
                  gate: str = "auto", num_draft_tokens: int = 4, drafters=None, compile_backend=None, length=None,
-                 prepack="auto", **decoder_options):
+                 prepack="auto", together: bool = True, **decoder_options):
         inner = model.get_base_model()
         self.inner, self.state, self.mixed = inner, state, mixed
         self.check = SourceCheck()  # every derived copy checked against its sources once (derived.py)
@@ -65,7 +67,7 @@ class Session:
         if state.gate is None:
             state.gate = GateMemory()
         self.gate = Gate(gate, num_draft_tokens, state.gate, BASE, passes=compile_backend or "eager",
-                         drafters=tuple(d.key for d in self.drafters))
+                         drafters=tuple(d.key for d in self.drafters), together=together)
         self.rotary = StepRotary(inner, self.fwd.layout)
         # Compiled passes trace the layers as they are: Inductor lays out weights its own way.
         self.packed = PackedLinears(model, state, prepack, self.check) if compile_backend is None else None

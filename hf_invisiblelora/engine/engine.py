@@ -314,7 +314,7 @@ class Engine:
         return Session(self.model, self.state, self._policy, capacity=self.max_batch, width=self.max_len, mixed=True,
                        lora_backend=lora_backend(self.model, self.model.peft_config), gate=self.gate_mode,
                        num_draft_tokens=self.num_draft_tokens, drafters=drafters, prepack=self.prepack,
-                       pad_id=self.pad_id, history=False,
+                       pad_id=self.pad_id, history=False, together=False,
                        eos=torch.full((self.max_batch, max(len(self.eos_ids), 1)), -1, device=self.inner.device))
 
     def _run(self) -> None:
