@@ -46,39 +46,48 @@ from tiny import synthetic_zoo
 # The eager configurations pass compile=False: "auto" would capture CUDA graphs on CUDA.
 CONFIGS = {
     "stock_peft": {},
-    # Fixed choices run the full base model as the drafter (draft_dtype=None): what k does alone.
-    "baseline": dict(invisible_lora=True, gate="never", compile=False, draft_dtype=None),
-    "k1": dict(invisible_lora=True, gate="always", num_draft_tokens=1, compile=False, draft_dtype=None),
-    "k2": dict(invisible_lora=True, gate="always", num_draft_tokens=2, compile=False, draft_dtype=None),
-    "k4": dict(invisible_lora=True, gate="always", num_draft_tokens=4, compile=False, draft_dtype=None),
-    # The defaults (draft_dtype="auto": the gate also picks among int8 / int4 draft copies on the CPU).
+    # Fixed choices run the full base model as the drafter (draft_dtype=None, no prompt lookup): what k does alone.
+    "baseline": dict(invisible_lora=True, gate="never", compile=False, draft_dtype=None, prompt_lookup=False),
+    "k1": dict(invisible_lora=True, gate="always", num_draft_tokens=1, compile=False, draft_dtype=None,
+               prompt_lookup=False),
+    "k2": dict(invisible_lora=True, gate="always", num_draft_tokens=2, compile=False, draft_dtype=None,
+               prompt_lookup=False),
+    "k4": dict(invisible_lora=True, gate="always", num_draft_tokens=4, compile=False, draft_dtype=None,
+               prompt_lookup=False),
+    # The defaults (draft_dtype="auto": the gate also picks among int8 / int4 draft copies on the CPU;
+    # prompt_lookup=True: and prompt lookup).
     "gate": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False),
+    # The defaults without prompt lookup (the default before it).
+    "gate_no_lookup": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, prompt_lookup=False),
     # The gate with the full base model as its only drafter (the default before draft_dtype="auto").
-    "gate_full": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_dtype=None),
+    "gate_full": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_dtype=None,
+                      prompt_lookup=False),
     # The baseline again, as a control: its ratio to the baseline is the run's noise (an A/A test).
-    "control": dict(invisible_lora=True, gate="never", compile=False, draft_dtype=None),
+    "control": dict(invisible_lora=True, gate="never", compile=False, draft_dtype=None, prompt_lookup=False),
     # The baseline with PyTorch's own linear kernels (no prepacked weights: hf_invisiblelora/model/prepack.py).
-    "baseline_unpacked": dict(invisible_lora=True, gate="never", compile=False, prepack=False, draft_dtype=None),
+    "baseline_unpacked": dict(invisible_lora=True, gate="never", compile=False, prepack=False, draft_dtype=None,
+                              prompt_lookup=False),
     # Cheaper drafters (hf_invisiblelora/decode/drafters.py): the head on a vocabulary from the zoo's training
     # text (--draft-vocab tokens), bfloat16 draft weights, both.
     "gate_vocab": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus",
-                       draft_dtype=None),
-    "gate_bf16": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_dtype=torch.bfloat16),
+                       draft_dtype=None, prompt_lookup=False),
+    "gate_bf16": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_dtype=torch.bfloat16,
+                      prompt_lookup=False),
     "gate_vocab_bf16": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus",
-                            draft_dtype=torch.bfloat16),
+                            draft_dtype=torch.bfloat16, prompt_lookup=False),
     # Weight-only int8 / int4 draft layers (PyTorch's CPU kernels), with the corpus vocabulary's head;
     # at fixed k = 2 too, where the gate would not draft.
     "k2_int8": dict(invisible_lora=True, gate="always", num_draft_tokens=2, compile=False, draft_vocab="corpus",
-                    draft_dtype=torch.int8),
+                    draft_dtype=torch.int8, prompt_lookup=False),
     "k2_int4": dict(invisible_lora=True, gate="always", num_draft_tokens=2, compile=False, draft_vocab="corpus",
-                    draft_dtype=torch.int4),
+                    draft_dtype=torch.int4, prompt_lookup=False),
     "gate_int8": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus",
-                      draft_dtype=torch.int8),
+                      draft_dtype=torch.int8, prompt_lookup=False),
     "gate_int4": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus",
-                      draft_dtype=torch.int4),
+                      draft_dtype=torch.int4, prompt_lookup=False),
     # The gate choosing the drafter per cycle among the corpus-vocabulary head in float32, int8 and int4.
     "gate_choice": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus",
-                        draft_dtype=(None, torch.int8, torch.int4)),
+                        draft_dtype=(None, torch.int8, torch.int4), prompt_lookup=False),
     # The bare base model, stock generate() with the adapters disabled: the speed a LoRA-serving
     # path is measured against (its tokens are the base model's, not the adapters').
     "base_model": dict(base_model=True),

@@ -29,7 +29,7 @@ from .decode.checks import (
     resolve_adapter_names,
 )
 from .decode.drafters import (
-    base_drafters,
+    make_drafters,
     check_dtype as check_draft_dtype,
     check_vocabulary,
     observe as observe_tokens,
@@ -50,7 +50,8 @@ from .model.state import state_of
 from .model.walk import BASE
 
 logger = logging.getLogger("hf_invisiblelora")
-OPTIONS = ("num_draft_tokens", "gate", "lora_backend", "generator", "compile", "draft_vocab", "draft_dtype")  # generate() keywords that only InvisibleLoRA reads
+OPTIONS = ("num_draft_tokens", "gate", "lora_backend", "generator", "compile", "draft_vocab", "draft_dtype", "prepack",
+           "prompt_lookup")  # generate() keywords that only InvisibleLoRA reads
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer")
 # generate() kwargs that send it to another decoding loop before any custom_generate callable runs.
 _OTHER_LOOPS = {"custom_generate": "it runs its own decoding loop through custom_generate",
@@ -65,7 +66,8 @@ class InvisibleLoRAOutput(GenerateDecoderOnlyOutput):
 
 
 def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 4, gate: str = "auto",
-             lora_backend: str = "bank", generator=None, compile="auto", draft_vocab=None, draft_dtype="auto", prepack="auto", **kwargs):
+             lora_backend: str = "bank", generator=None, compile="auto", draft_vocab=None, draft_dtype="auto",
+             prompt_lookup: bool = True, prepack="auto", **kwargs):
     """Lossless InvisibleLoRA decoding of a PEFT LoRA causal LM; same arguments and output as ``model.generate``.
 
     adapter_names: one adapter per row (``"__base__"`` = no adapter); default: the active adapter.
@@ -89,6 +91,9 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         (the default): (None, torch.int8, torch.int4) for eager passes on the CPU where the copies
         fit in half the memory available, else None. Both options make draft passes cheaper where the kernels are
         fast, and keep the output exact.
+    prompt_lookup: also draft by prompt lookup (drafters.PromptLookupDrafter: what followed an earlier
+        occurrence of a row's last tokens in its prompt and output; no model pass), among the
+        drafters the gate picks from (default True).
     prepack: the eager passes' float32 linear layers on the CPU run on copies of their weights
         prepacked for oneDNN (faster matmuls; the weights' size again in memory; prepack.py): "auto"
         (where the copies fit in half the memory available), True or False.
@@ -99,7 +104,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     tokens (a chat's next turn), is continued: only the tokens it does not hold are prefilled
     (checks.check_cache lists the caches refused).
     """
-    check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab)
+    check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab, prompt_lookup)
     check_prepack(prepack)
     check_model(model)
     # compile=True, or "auto" where warm_up built compiled passes: those passes' drafter ("auto").
@@ -141,7 +146,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     state = state_of(model)
 
     call = Call(model, state, names, mixed, stats, streamer, gate, num_draft_tokens, lora_backend, compile_backend,
-                warm_only, prepack, generator, draft_vocab, draft_dtypes)
+                warm_only, prepack, generator, draft_vocab, draft_dtypes, prompt_lookup)
     with state.hold():
         out = inner.generate(input_ids, custom_generate=functools.partial(decode, call), **kwargs)
         state.stats = stats
@@ -167,6 +172,7 @@ class Call:
     generator: object
     draft_vocab: object
     draft_dtypes: tuple
+    prompt_lookup: bool
 
 
 def decode(call: Call, inner, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
@@ -202,11 +208,12 @@ def decode(call: Call, inner, input_ids, logits_processor, stopping_criteria, ge
     vocab_size = inner.config.get_text_config(decoder=True).vocab_size
     vocab = draft_vocab if draft_vocab is None or not isinstance(draft_vocab, int) else \
         drafter_vocabulary(state, draft_vocab, input_ids, vocab_size)
-    drafters = base_drafters(model, state, draft_dtypes, vocab, size=draft_vocab if isinstance(draft_vocab, int) else None)
+    drafters = make_drafters(model, state, draft_dtypes, vocab, size=draft_vocab if isinstance(draft_vocab, int) else None,
+                             prompt_lookup=call.prompt_lookup)
     length = None
     if call.warm_only and state.buckets:  # a bucket warm_up (or compile=True) built, whose passes this call can take
         length = warmed(state.buckets, get_bank(model, adapters=()), input_ids.device, inner.dtype, b, width, rows,
-                        range(1, num_draft_tokens + 2), call.gate != "never", [d.key for d in drafters])
+                        range(1, num_draft_tokens + 2), call.gate != "never", [d.key for d in drafters if d.passes])
     backend = "inductor" if length else call.compile_backend
     pad_id = int(pad) if pad is not None else 0
     eos = stopping.eos

@@ -45,7 +45,7 @@ def test_several_drafters_each_draft_and_learn_their_own_acceptance():
     assert torch.equal(out.sequences, ref)
     memory = state_of(model).gate
     assert {"s", ("s", "/torch.int4")} <= set(memory.trials)
-    assert {key[1][1] for key in memory.costs if key[0] == "draft"} == {"eager", "eager/torch.int4"}
+    assert {key[1][1] for key in memory.costs if key[0] == "draft"} == {"eager", "eager/torch.int4", "eager/lookup"}
     auto = greedy(model, ids, mask, invisible_lora=True, draft_dtype=(None, torch.int4))
     assert torch.equal(auto, ref)
 
@@ -75,11 +75,11 @@ def test_restricted_drafts_stay_in_the_vocabulary():
     generated = set(ref[:, ids.shape[1]:].flatten().tolist())
     others = [t for t in range(2, 64) if t not in generated]
     out = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2, draft_vocab=others,
-                 return_dict_in_generate=True)
+                 prompt_lookup=False, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert sum(out.stats.accepted) == 0 < sum(out.stats.drafted)
     full = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2, draft_dtype=None,
-                  return_dict_in_generate=True)
+                  prompt_lookup=False, return_dict_in_generate=True)
     assert sum(full.stats.accepted) == sum(full.stats.drafted)  # the same drafter with its whole head: all accepted
 
 
@@ -180,3 +180,104 @@ def test_auto_draft_dtypes():
     out = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2, return_dict_in_generate=True)
     assert torch.equal(out.sequences, greedy(model, ids, mask))
     assert {"s", ("s", "/torch.int8"), ("s", "/torch.int4")} <= set(state_of(model).gate.trials)  # each drafted
+
+
+def _lookup_reference(row: list[int], k: int, longest: int = 3, shortest: int = 1) -> tuple[int, list[int]]:
+    """drafters.match and lookup's semantics for one row, written plainly: (n matched, proposals)."""
+    for n in range(longest, shortest - 1, -1):
+        if len(row) <= n:
+            continue
+        for i in range(len(row) - n - 1, -1, -1):  # the latest earlier occurrence of the last n tokens
+            if row[i : i + n] == row[-n:]:
+                period = len(row) - n - i
+                return n, [row[i + n + j % period] for j in range(k)]
+    return 0, [row[-1]] * k
+
+
+def test_lookup_proposes_what_followed_the_latest_match():
+    from hf_invisiblelora.decode.drafters import lookup, match
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        rows, width, vocab = 1 + trial % 5, 24, 2 + trial % 6
+        tokens = torch.randint(0, vocab, (rows, width), generator=g)
+        ends = torch.randint(1, width - 4, (rows,), generator=g)
+        k = 1 + trial % 4
+        m = match(tokens, ends)
+        got = lookup(tokens, m, k)
+        for b in range(rows):
+            n, proposals = _lookup_reference(tokens[b, : ends[b]].tolist(), k)
+            assert (int(m.ngram[b]), got[b].tolist()) == (n, proposals), (trial, b)
+    periodic = torch.tensor([[3, 1, 2, 3, 1, 2, 3, 1, 0, 0]])  # ...3 1 | 2 3 1 2: continued with its period
+    assert lookup(periodic, match(periodic, torch.tensor([8])), 4).tolist() == [[2, 3, 1, 2]]
+
+
+def test_lookup_acceptance_is_learned_per_match_length():
+    """The gate keys the lookup drafter's acceptance by the match length of each row's proposal, and
+    rows without a match teach it nothing (they proposed their last token, not a lookup)."""
+    from hf_invisiblelora.decode.drafters import PromptLookupDrafter
+
+    model = tiny_peft("llama", strength=0.6)
+    base, mask = prompts(LENGTHS)
+    ids = torch.cat([base, base[:, -4:], base[:, -4:]], 1)
+    mask = torch.cat([mask, torch.ones(len(LENGTHS), 8, dtype=torch.long)], 1)
+    greedy(model, ids, mask, invisible_lora=True, gate="auto", num_draft_tokens=3)
+    keys = {key[1] for key in state_of(model).gate.trials if isinstance(key, tuple) and key[1].startswith("/lookup")}
+    assert keys and keys <= {"/lookup/1", "/lookup/2", "/lookup/3"}
+    from hf_invisiblelora.decode.decoder import Batch
+
+    batch = Batch.empty(2, 12, 0, "cpu")
+    batch.load([0, 1], torch.tensor([[5, 6, 7, 5, 6, 7], [1, 2, 3, 4, 8, 9]]), [4, 4])
+    plan = PromptLookupDrafter().plan(batch, 2)
+    assert plan.labels == ["3", None]
+
+
+def test_prompt_lookup_keeps_greedy_output_and_drafts():
+    """Repetitive prompts: the lookup drafter's proposals are accepted where the target repeats, and
+    the output is stock's; gate "always" lets the base model and lookup take turns."""
+    model = tiny_peft("llama", strength=0.6)
+    base, mask = prompts(LENGTHS)
+    ids = torch.cat([base, base[:, -4:], base[:, -4:]], 1)  # each row's last 4 tokens, twice more
+    mask = torch.cat([mask, torch.ones(len(LENGTHS), 8, dtype=torch.long)], 1)
+    ref = greedy(model, ids, mask)
+    out = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=3, draft_dtype=None,
+                 return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    memory = state_of(model).gate
+    lookup_keys = [key for key in memory.trials if isinstance(key, tuple) and key[1] == "/lookup"]
+    assert lookup_keys and sum(memory.accepted[key] for key in lookup_keys) > 0
+    assert torch.equal(greedy(model, ids, mask, invisible_lora=True), ref)  # the gate's own choices
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_sampling_with_prompt_lookup_is_exact(monkeypatch):
+    """Lookup's proposals are point masses: a draft d is kept with probability p(d), else the token is
+    drawn from p without d. The power check: keeping every proposal instead is detected."""
+    from test_sampling import PROMPT, SUPPRESS, TEMPERATURE, TOP_K, exact
+
+    from hf_invisiblelora import api
+    from hf_invisiblelora.decode import acceptance, drafters, policies
+
+    monkeypatch.setattr(api, "make_drafters", lambda *args, **kw: [drafters.PromptLookupDrafter()])
+    model = tiny_peft("llama", vocab=8, adapters=("b", "d"), strength=1.5, seed=1)
+    with torch.no_grad():
+        target = exact(model, "b")
+
+    def sampled(n=1500):
+        torch.manual_seed(0)
+        out = model.generate(input_ids=PROMPT.repeat(n, 1), adapter_names=["b"] * n, do_sample=True,
+                             temperature=TEMPERATURE, top_k=TOP_K, suppress_tokens=SUPPRESS, max_new_tokens=3,
+                             invisible_lora=True, num_draft_tokens=2, gate="always", return_dict_in_generate=True)
+        return [tuple(r) for r in out.sequences[:, PROMPT.shape[1]:].tolist()], out.stats
+
+    samples, stats = sampled()
+    assert chi_square_p(samples, target) > 1e-3
+    assert 0 < sum(stats.accepted) < sum(stats.drafted)
+
+    def keep_all(drafts, q, scores, generator=None):
+        p = acceptance.probs(scores)
+        n = torch.full((drafts.shape[0],), drafts.shape[1], dtype=torch.long)
+        return n, torch.multinomial(p[:, -1], 1, generator=generator)[:, 0]
+
+    monkeypatch.setattr(policies, "accept_sampling", keep_all)
+    assert chi_square_p(sampled()[0], target) < 1e-3

@@ -10,6 +10,7 @@ from hf_invisiblelora.decode.gate import (
     COST_BOUND_PROBE,
     COST_WINDOW,
     MARGIN,
+    PRIOR_ACCEPTANCE,
     PROBE_AFTER,
     Gate,
     GateMemory,
@@ -281,6 +282,26 @@ def test_acceptance_is_learned_per_drafter():
         full.observe(2, [2, 2], [True, True], 0.01, 0.02)  # every draft kept
         vocab.observe(2, [0, 0], [True, True], 0.01, 0.02)  # none kept
     assert mem.acceptance("x") > 0.9 and mem.acceptance(("x", "/vocab64")) < 0.1
+
+
+def test_a_new_adapter_starts_from_its_drafters_acceptance():
+    """The prior of an adapter the gate has not seen draft is its drafter's acceptance over the adapters
+    it has seen: a drafter rarely accepted (prompt lookup on prose) starts low for a new adapter, a
+    drafter accepted often starts high; the adapter's own evidence then takes over."""
+    mem = GateMemory()
+    lookup, full = Gate("auto", K, mem, "__base__", drafters=("/lookup",)), Gate("auto", K, mem, "__base__")
+    for g in (lookup, full):
+        g.set_rows(["x", "y"])
+    for _ in range(50):
+        lookup.observe(2, [0, 0], [True, True], 0.001, 0.02)  # rejected
+        full.observe(2, [2, 2], [True, True], 0.01, 0.02)  # kept
+    assert mem.acceptance(("new", "/lookup")) < 0.15 and mem.acceptance("new") > 0.9
+    assert abs(GateMemory().acceptance(("new", "/lookup")) - PRIOR_ACCEPTANCE) < 1e-12  # nothing seen: the fixed prior
+    g = Gate("auto", K, mem, "__base__", drafters=("/lookup",))
+    g.set_rows(["new", "new"])
+    for _ in range(50):
+        g.observe(2, [2, 2], [True, True], 0.001, 0.02)  # this adapter's lookups are kept
+    assert mem.acceptance(("new", "/lookup")) > 0.8
 
 
 def test_picks_among_drafters_by_cost_and_acceptance():

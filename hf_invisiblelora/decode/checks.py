@@ -51,7 +51,7 @@ UNSUPPORTED = {
 }
 
 
-def check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab=None) -> None:
+def check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab=None, prompt_lookup=True) -> None:
     if gate not in GATE_MODES:
         raise ValueError(f"gate must be one of {GATE_MODES}, got {gate!r}.")
     if not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool) or num_draft_tokens < 0:
@@ -61,6 +61,8 @@ def check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab=Non
     if compile not in COMPILE_OPTIONS:
         raise ValueError(f"compile must be one of {COMPILE_OPTIONS}, got {compile!r}.")
     check_vocabulary_option(draft_vocab)
+    if not isinstance(prompt_lookup, bool):
+        raise ValueError(f"prompt_lookup must be True or False, got {prompt_lookup!r}.")
 
 
 def check_model(model) -> None:

@@ -266,13 +266,17 @@ class Decoder:
         batch = self.batch
         hi, active = self.span or batch.hi, batch.active
         self.gate.set_rows(self.names[:hi])
-        k = self.gate.choose([0 if batch.done_h[r] else batch.max_new_h[r] - batch.gen_h[r] for r in range(hi)])
+        # What each drafter can offer each row this cycle (prompt lookup: how long a match), for the gate.
+        plans = [d.plan(batch, hi) for d in self.drafters] if self.gate.mode == "auto" else [None] * len(self.drafters)
+        labels = [None if plan is None else plan.labels for plan in plans]
+        k = self.gate.choose([0 if batch.done_h[r] else batch.max_new_h[r] - batch.gen_h[r] for r in range(hi)], labels)
         self.cycles, self.k = self.cycles + 1, k
         if self.history:
             self.k_per_cycle.append(k)
-        builds, drafter = self.fwd.builds, self.drafters[self.gate.pick]
+        pick = self.gate.pick
+        builds, drafter = self.fwd.builds, self.drafters[pick]
         with self.timer("draft"):
-            drafts, draft_probs = drafter.propose(self.fwd, batch, hi, k, self.policy)
+            drafts, draft_probs = drafter.propose(self.fwd, batch, hi, k, self.policy, plans[pick])
         if self.recompute is not None:
             self.recompute.before_verify(self.fwd, batch)
         # The gate weighs whole cycles: what follows the drafts (verify, accept, commit) is timed as
@@ -294,7 +298,8 @@ class Decoder:
             self.row_cycles[r] += 1
         spans = self.timer.collect()
         if self.fwd.builds == builds:  # not a pass's compilation
-            self.gate.observe(k, n_h, [r in active for r in range(hi)], spans.get("draft"), spans["verify"])
+            self.gate.observe(k, n_h, [r in active for r in range(hi)], spans.get("draft"), spans["verify"],
+                              labels[pick])
         return committed
 
     # --- rows changed from outside the cycle (the serving engine) ---

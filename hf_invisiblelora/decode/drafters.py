@@ -7,15 +7,22 @@ costs and acceptance are kept per drafter ``key``). The protocol (``Drafter``):
     drafter.key                                  the gate's key for its costs and acceptance
     with drafter.installed(context, check): ...  whatever it routes in the model, for one call
                                                  (``check``: the call's source check, derived.py)
-    drafts, probs = drafter.propose(fwd, batch, hi, k, policy)
+    plan = drafter.plan(batch, hi)               before the gate chooses: None (every row alike), or
+                                                 a Plan: per row the class of what it can propose
+                                                 (the gate learns acceptance per class), None: nothing
+    drafts, probs = drafter.propose(fwd, batch, hi, k, policy, plan)
                                                  up to k tokens for rows 0..hi-1 (written into
                                                  batch.tokens) and the policy's draft
                                                  probabilities (speculative sampling) or None
+                                                 (point masses, or greedy)
     drafter.learn(batch, hi, accepted)           after each commit: accepted drafts per row
 
 ``BaseModelDrafter``, the first implementation, is the shared base model itself (LoRA off),
-optionally made cheaper. A low-bit copy of the base, layer skipping, a small separate model or
-an EAGLE-style head (which reads the verify pass's hidden states) are each another class.
+optionally made cheaper. ``PromptLookupDrafter`` runs no pass at all: it proposes what followed an
+earlier occurrence of the row's last tokens in its own context (prompt lookup: Transformers'
+``prompt_lookup_num_tokens``, vLLM's "ngram" method). A small separate model or an EAGLE-style
+head (which reads the verify pass's hidden states) would each be another class. (Layer skipping
+was measured and does not pay on the zoo's models: docs/benchmarks.md.)
 
 The base model's options, for its passes only:
 
@@ -44,7 +51,7 @@ Installed for one call: its layers' routes (routing.py) act only in its own draf
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from peft.utils.other import ModulesToSaveWrapper
@@ -202,10 +209,13 @@ def fixed_vocabulary(draft_vocab, state, inner, vocab_size: int) -> tuple[torch.
 
 class Drafter(Protocol):
     key: str
+    passes: bool  # whether its proposals run draft passes of the model (compiled passes are built for them)
 
     def installed(self, context, check=None): ...
 
-    def propose(self, fwd, batch, hi: int, k: int, policy) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def plan(self, batch, hi: int): ...
+
+    def propose(self, fwd, batch, hi: int, k: int, policy, plan=None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def learn(self, batch, hi: int, accepted: list[int]) -> None: ...
 
@@ -217,6 +227,8 @@ class BaseModelDrafter:
     is). ``key`` names the options for the gate: ``size`` is the vocabulary size asked for (the
     vocabulary itself also holds the prompts' tokens, so its length changes from call to call)."""
 
+    passes = True
+
     def __init__(self, model, state, vocab: torch.Tensor | None = None, dtype=None, size: int | None = None):
         inner = model.get_base_model()
         self.model, self.state = model, state
@@ -226,7 +238,10 @@ class BaseModelDrafter:
         size = size if size is not None else None if vocab is None else len(vocab)
         self.key = "".join([f"/vocab{size}" if vocab is not None else "", f"/{dtype}" if dtype else ""])
 
-    def propose(self, fwd, batch, hi: int, k: int, policy):
+    def plan(self, batch, hi: int) -> None:
+        return None  # every row alike: its acceptance is its adapter's
+
+    def propose(self, fwd, batch, hi: int, k: int, policy, plan=None):
         last = batch.ends(hi) - 1
         x = batch.tokens[:hi].gather(1, last[:, None])
         drafts, probs, rows = [], [], slice(0, hi)
@@ -297,11 +312,108 @@ class BaseModelDrafter:
         return forward
 
 
-def base_drafters(model, state, dtypes: tuple, vocab=None, size: int | None = None) -> list:
-    """One ``BaseModelDrafter`` per draft dtype (``check_dtype``'s choices), all with the head on
-    ``vocab`` (token ids, or None)."""
+# Prompt lookup matches the row's last 3, then 2, then 1 tokens. Simulated on SmolLM2's greedy
+# continuations of the zoo's held-out prompts (8 domains): a shortest n-gram of 1 committed 1.31-1.65
+# tokens per cycle at k = 1-4, of 2 only 1.25-1.50 (docs/benchmarks.md, "Prompt lookup").
+LOOKUP_NGRAMS = (3, 1)
+
+
+class Match(NamedTuple):
+    """Where each row's continuation is read (``lookup``'s semantics): from ``start``, repeating with
+    ``period``; ``ngram`` the length matched (0: none, the row's last token repeated)."""
+
+    start: torch.Tensor
+    period: torch.Tensor
+    ngram: torch.Tensor
+
+
+def match(tokens: torch.Tensor, ends: torch.Tensor, longest: int = LOOKUP_NGRAMS[0],
+          shortest: int = LOOKUP_NGRAMS[1]) -> Match:
+    """Semantics: per row b, with c = tokens[b, :ends[b]] (its committed tokens, ends[b] >= 1):
+        for n = longest, ..., shortest: the latest i < len(c) - n with c[i : i + n] == c[-n:] (an
+        earlier occurrence of the row's last n tokens); the first n that has one is taken:
+        start = i + n, period = len(c) - n - i, ngram = n; a row with none: start = len(c) - 1,
+        period = 1, ngram = 0.
+    tokens [B, W], ends [B]. Batched tensor ops: no host copy, no per-row loop."""
+    span = int(ends.max())
+    ctx, device = tokens[:, :span], tokens.device
+    start, period, ngram = ends - 1, torch.ones_like(ends), torch.zeros_like(ends)
+    for n in range(longest, shortest - 1, -1):
+        if span <= n:
+            continue
+        pattern = ctx.gather(1, (ends[:, None] - n + torch.arange(n, device=device)).clamp(min=0))
+        i = torch.arange(span - n + 1, device=device)
+        hit = (ctx.unfold(1, n, 1) == pattern[:, None]).all(-1) & (i < (ends - n)[:, None])
+        last = torch.where(hit, i, -1).amax(1)
+        take = (last >= 0) & (ngram == 0)
+        start, period = torch.where(take, last + n, start), torch.where(take, ends - n - last, period)
+        ngram = torch.where(take, n, ngram)
+    return Match(start, period, ngram)
+
+
+def lookup(tokens: torch.Tensor, m: Match, k: int) -> torch.Tensor:
+    """Semantics: proposal[b, j] = tokens[b, m.start[b] + j % m.period[b]] (what followed the match;
+    past the row's end, continued with the repeat's period) -> [B, k]."""
+    return tokens.gather(1, m.start[:, None] + torch.arange(k, device=tokens.device) % m.period[:, None])
+
+
+class Plan(NamedTuple):
+    """What a drafter can propose in one cycle, per row: ``labels[b]`` the class of row b's proposal
+    (its acceptance is learned per class: the gate's key is the drafter's key + "/" + label), None
+    where it has nothing to propose; ``detail``: what ``propose`` reads (the drafter's own)."""
+
+    labels: list
+    detail: object
+
+
+class PromptLookupDrafter:
+    """Drafts without a model pass: each row's proposals are what followed the latest earlier
+    occurrence of its last tokens in its own context (``match``, ``lookup``), prompt and output. Its
+    cost is a few tensor ops, so a verify pass of k + 1 tokens that costs little more than a plain
+    step (small batches on a CPU, any batch on a GPU) pays from a low acceptance on: where text
+    repeats its prompt or itself (code, quotes, lists, names, the loops of small models).
+
+    How often a proposal is right depends on how long a match it continues: simulated on SmolLM2's
+    greedy continuations of the zoo's held-out prompts, a draft after a 3-token match was kept 87%
+    of the time, after 2 tokens 67%, after 1 46% (docs/benchmarks.md). So each cycle's ``plan``
+    labels every row with its match length, the gate learns acceptance per label and judges a row
+    without a match as one that commits a single token, and drafts with it only where that pays.
+
+    Its proposals are point masses: sampling keeps draft d with probability p(d) and otherwise
+    samples the target's distribution without d (speculative sampling with q = one-hot;
+    policies.GeneratePolicy.accept), so every committed token is an exact sample."""
+
+    key = "/lookup"
+    passes = False
+
+    @contextlib.contextmanager
+    def installed(self, context, check: SourceCheck | None = None):
+        yield self  # nothing routed: it runs no pass
+
+    def plan(self, batch, hi: int) -> Plan:
+        m = match(batch.tokens[:hi], batch.ends(hi))
+        return Plan([str(n) if n else None for n in m.ngram.tolist()], m)
+
+    def propose(self, fwd, batch, hi: int, k: int, policy, plan: Plan | None = None):
+        if not k:
+            return batch.tokens.new_zeros(hi, 0), None
+        end = batch.ends(hi)
+        m = plan.detail if plan is not None else match(batch.tokens[:hi], end)
+        drafts = lookup(batch.tokens[:hi], m, k)
+        batch.tokens[:hi].scatter_(1, end[:, None] + torch.arange(k, device=end.device), drafts)  # the verify pass reads them
+        return drafts, None
+
+    def learn(self, batch, hi: int, accepted: list[int]) -> None:
+        """Nothing to learn: its proposals are read from the rows' tokens."""
+
+
+def make_drafters(model, state, dtypes: tuple, vocab=None, size: int | None = None, prompt_lookup: bool = True) -> list:
+    """The drafters the gate chooses among: one ``BaseModelDrafter`` per draft dtype (``check_dtype``'s
+    choices), all with the head on ``vocab`` (token ids, or None), and a ``PromptLookupDrafter``
+    unless ``prompt_lookup`` is off."""
     vocab = None if vocab is None else torch.as_tensor(vocab)
-    return [BaseModelDrafter(model, state, vocab, d, size=size) for d in dtypes]
+    drafters = [BaseModelDrafter(model, state, vocab, d, size=size) for d in dtypes]
+    return drafters + [PromptLookupDrafter()] if prompt_lookup else drafters
 
 
 def _route(draft_forward):

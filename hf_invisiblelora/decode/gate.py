@@ -72,15 +72,30 @@ class Probe:
 class GateMemory:
     """What the gate learned on one model: acceptance per adapter and pass costs (seconds)."""
 
-    accepted: dict = field(default_factory=dict)  # adapter -> decayed accepted drafts
-    trials: dict = field(default_factory=dict)  # adapter -> decayed drafts judged
-    costs: dict = field(default_factory=dict)  # ("draft", (rows, passes + drafter)) / ("verify", shape, q) -> seconds (median)
+    accepted: dict = field(default_factory=dict)  # adapter, or (adapter, drafter key) -> decayed accepted drafts
+    trials: dict = field(default_factory=dict)  # the same keys -> decayed drafts judged
+    pooled: dict = field(default_factory=dict)  # drafter key -> [accepted, judged] over all its adapters
+    costs: dict = field(default_factory=dict)  # ("draft", (rows, passes + drafter)) / ("verify", shape, q) -> seconds
     timings: dict = field(default_factory=dict)  # the same keys -> the last COST_WINDOW timings
     probes: dict = field(default_factory=dict)  # (shape, drafters) -> Probe
 
-    def acceptance(self, adapter: str) -> float:
-        a, t = self.accepted.get(adapter, 0.0), self.trials.get(adapter, 0.0)
-        return (a + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+    def acceptance(self, key) -> float:
+        """The per-draft acceptance of ``key`` (an adapter, or (adapter, drafter key)): its own evidence
+        on a prior that is its drafter's acceptance over every adapter it drafted for (itself on
+        PRIOR_ACCEPTANCE): a new adapter starts where its drafter's others stand, not at a fixed
+        guess (prompt lookup is accepted far less often than the base model)."""
+        drafter = key[1] if isinstance(key, tuple) else ""
+        pa, pt = self.pooled.get(drafter, (0.0, 0.0))
+        prior = (pa + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (pt + PRIOR_WEIGHT)
+        a, t = self.accepted.get(key, 0.0), self.trials.get(key, 0.0)
+        return (a + prior * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+
+    def observe_acceptance(self, key, accepted: int, judged: int) -> None:
+        """One row's cycle: ``accepted`` of ``judged`` drafts (decayed counts, DECAY per observation)."""
+        self.accepted[key] = DECAY * self.accepted.get(key, 0.0) + accepted
+        self.trials[key] = DECAY * self.trials.get(key, 0.0) + judged
+        pooled = self.pooled.setdefault(key[1] if isinstance(key, tuple) else "", [0.0, 0.0])
+        pooled[0], pooled[1] = DECAY * pooled[0] + accepted, DECAY * pooled[1] + judged
 
     def observe_cost(self, key, seconds: float) -> None:
         window = self.timings.setdefault(key, deque(maxlen=COST_WINDOW))
@@ -148,7 +163,7 @@ class Gate:
     def set_rows(self, adapter_names: list) -> None:
         """The adapter of each row of the next cycles (None: a free row)."""
         self.names = adapter_names
-        # Acceptance is learned per adapter and drafter.
+        # Acceptance is learned per adapter and drafter (and per class of a drafter's proposals: ``key``).
         self.keys = [[(a, d) if d else a for a in adapter_names] for d in self.drafters]
         # What a pass's cost depends on: rows, distinct adapters, eager or compiled.
         self.shape = (len(adapter_names), len(set(a for a in adapter_names if a is not None)), self.passes)
@@ -156,9 +171,24 @@ class Gate:
         self.draft_shapes = [(len(adapter_names), self.passes + d) for d in self.drafters]
         self.is_base = [a == self.base for a in adapter_names]
 
-    def choose(self, remaining: list[int]) -> int:
+    def _key(self, j: int, i: int, labels):
+        """Row i's acceptance key under drafter j, whose proposal for it is of class ``labels[i]``
+        (``labels`` None: the drafter's proposals are all of one class)."""
+        return self.keys[j][i] if labels is None else (self.names[i], f"{self.drafters[j]}/{labels[i]}")
+
+    def _acceptance(self, j: int, i: int, labels) -> float:
+        """Row i's per-draft acceptance under drafter j: 0 where it has nothing to propose; 1 for a
+        ``__base__`` row under the base model as it is (its drafts are the target's own tokens)."""
+        if labels is not None and labels[i] is None:
+            return 0.0
+        if self.is_base[i] and not self.drafters[j]:
+            return 1.0
+        return self.memory.acceptance(self._key(j, i, labels))
+
+    def choose(self, remaining: list[int], labels: list | None = None) -> int:
         """k for the next cycle (and ``pick``, the drafter); ``remaining[b]``: tokens row b may still
-        generate (0: finished)."""
+        generate (0: finished); ``labels``: per drafter, None or the class of each row's proposal
+        this cycle (drafters.Plan: None where it has nothing to propose)."""
         cap = max(0, min(self.max_k, max(remaining) - 1))
         self.pick = 0
         if self.mode == "always":  # several drafters take turns (each one's acceptance and cost get measured)
@@ -166,8 +196,9 @@ class Gate:
             self.pick = self.turn % len(self.drafters)
         if self.mode == "always" or cap == 0:
             return cap
-        if self.mode == "never" or all(b for b, r in zip(self.is_base, remaining) if r):
-            return 0  # no adapter work to save: the LoRA-on step costs what a draft step costs
+        if self.mode == "never" or self.drafters == [""] and all(b for b, r in zip(self.is_base, remaining) if r):
+            return 0  # no adapter work to save: a draft pass of the base model costs what a plain step costs
+        labels = labels or [None] * len(self.drafters)
         costs = self._costs()
         if ("verify", self.shape, 1) not in self.memory.costs and None in costs:
             return 0  # calibrate with the cheapest cycles: a plain step, then one draft per drafter
@@ -177,9 +208,9 @@ class Gate:
         # Plain floats: this runs every cycle, and small tensor ops would cost more than the arithmetic.
         options = range(min(cap, len(costs[0]) - 1) + 1)
         best, finish, perfect = 0, float("inf"), 0
-        z = expected_max(sum(1 for b, r in zip(self.is_base, remaining) if r and not b)) if self.together else 0.0
-        for j, keys in enumerate(self.keys):
-            rows = [(1.0 if b else self.memory.acceptance(a), r) for a, b, r in zip(keys, self.is_base, remaining) if r]
+        for j in range(len(self.drafters)):
+            rows = [(self._acceptance(j, i, labels[j]), r) for i, r in enumerate(remaining) if r]
+            z = expected_max(sum(1 for a, _ in rows if 0 < a < 1)) if self.together else 0.0  # rows drafting at random
             k, t = _best(rows, costs[j], options, z)
             if t < finish:
                 best, finish, self.pick = k, t, j
@@ -244,14 +275,16 @@ class Gate:
         drafts = [self.memory.costs.get(("draft", shape)) for shape in self.draft_shapes]
         return [None if d is None else [k * d + t for k, t in enumerate(verify)] for d in drafts]
 
-    def observe(self, k: int, n_accepted: list[int], active: list[bool], draft_s: float | None, verify_s: float):
-        """Learn from one cycle: k drafts, per-row accepted counts (rows active at its start), pass times."""
-        m = self.memory
+    def observe(self, k: int, n_accepted: list[int], active: list[bool], draft_s: float | None, verify_s: float,
+                labels: list | None = None):
+        """Learn from one cycle: k drafts, per-row accepted counts (rows active at its start), pass times;
+        ``labels``: the picked drafter's classes of the rows' proposals (``choose``)."""
+        m, j = self.memory, self.pick
         if k:
-            m.observe_cost(("draft", self.draft_shapes[self.pick]), draft_s / k)
-            for name, n, act, base in zip(self.keys[self.pick], n_accepted, active, self.is_base):
-                if act and not base:
+            m.observe_cost(("draft", self.draft_shapes[j]), draft_s / k)
+            for i, (n, act) in enumerate(zip(n_accepted, active)):
+                # Rows it had nothing for, and __base__ rows under the base model itself, teach nothing.
+                if act and (labels is None or labels[i] is not None) and not (self.is_base[i] and not self.drafters[j]):
                     # n successes, then one failure unless every draft was kept (Bernoulli per position).
-                    m.accepted[name] = DECAY * m.accepted.get(name, 0.0) + n
-                    m.trials[name] = DECAY * m.trials.get(name, 0.0) + n + (n < k)
+                    m.observe_acceptance(self._key(j, i, labels), n, n + (n < k))
         m.observe_cost(("verify", self.shape, k + 1), verify_s)

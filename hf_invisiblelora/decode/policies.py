@@ -60,7 +60,11 @@ class GeneratePolicy:
         return False  # generate() returns no prompt log-probabilities
 
     def accept(self, drafts, draft_probs, scores, batch, which):
+        """``draft_probs`` None with drafts: they are point masses (a drafter that proposes tokens, not
+        distributions: prompt lookup), q = one-hot."""
         if self.do_sample:
+            if draft_probs is None and drafts.shape[1]:
+                draft_probs = torch.nn.functional.one_hot(drafts, scores.shape[-1]).to(scores.dtype)
             return accept_sampling(drafts, draft_probs, scores, self.generator)
         return accept_greedy(drafts, scores)
 

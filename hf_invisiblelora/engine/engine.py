@@ -45,7 +45,7 @@ import torch
 
 from ..decode.checks import check_adapter_state, check_model, check_options
 from ..decode.decoder import Decoder
-from ..decode.drafters import base_drafters, check_dtype as check_draft_dtype, fixed_vocabulary
+from ..decode.drafters import check_dtype as check_draft_dtype, fixed_vocabulary, make_drafters
 from ..decode.policies import RequestPolicy
 from ..decode.session import Session, lora_backend
 from ..lora.files import MAX_RANK
@@ -99,12 +99,13 @@ class Engine:
     def __init__(self, model, max_batch: int = 8, max_len: int = 1024, num_draft_tokens: int = 4,
                  gate: str = "auto", max_queue: int = 1024, max_loras: int | None = None,
                  max_cpu_loras: int | None = None, adapter_paths: dict | None = None, draft_vocab=None,
-                 draft_dtype="auto", prepack="auto", prefill_chunk: int | None = PREFILL_CHUNK,
+                 draft_dtype="auto", prompt_lookup: bool = True, prepack="auto",
+                 prefill_chunk: int | None = PREFILL_CHUNK,
                  max_lora_rank: int = MAX_RANK):
         """``max_loras``, ``max_cpu_loras``: the bounds of the module docstring (None: none).
         ``adapter_paths``: {name: local PEFT adapter folder}, for adapters the model has loaded (so
         that they can be evicted and loaded again) and for others, loaded when a request names them.
-        ``draft_vocab``, ``draft_dtype``: the drafter's options, as generate() takes them (an int
+        ``draft_vocab``, ``draft_dtype``, ``prompt_lookup``: the drafters' options, as generate() takes them (an int
         vocabulary: the most frequent tokens earlier generate(invisible_lora=True) calls on the
         model have seen). ``prepack``: the linear layers on prepacked weight copies, as generate() takes it
         (prepack.py: checked or made when the engine's thread starts). ``prefill_chunk``: the most
@@ -113,7 +114,7 @@ class Engine:
         ``max_lora_rank``: the largest rank an adapter loaded while serving may have (vLLM's
         ``max_lora_rank``), checked before anything is allocated for it (files.py)."""
         check_model(model)
-        check_options(gate, num_draft_tokens, "bank", False, draft_vocab)  # generate()'s own checks of these
+        check_options(gate, num_draft_tokens, "bank", False, draft_vocab, prompt_lookup)  # generate()'s own checks of these
         check_prepack(prepack)
         check_adapter_state(model, [], mixed=True)  # no dropout in training mode anywhere
         inner = model.get_base_model()
@@ -127,6 +128,7 @@ class Engine:
         self.state = state_of(model)
         self.draft_vocab = fixed_vocabulary(draft_vocab, self.state, inner, self.vocab_size)  # (ids or None, size)
         self.draft_dtypes = check_draft_dtype(draft_dtype, model)
+        self.prompt_lookup = prompt_lookup
         self.prepack = prepack
         self.error = None  # what stopped the engine's thread, if it failed
         limit = getattr(inner.config.get_text_config(decoder=True), "max_position_embeddings", None)
@@ -310,7 +312,8 @@ class Engine:
 
     def _session(self) -> Session:
         """The decoder's assembly (session.py): every row its own request (RequestPolicy) and adapter."""
-        drafters = base_drafters(self.model, self.state, self.draft_dtypes, *self.draft_vocab)
+        drafters = make_drafters(self.model, self.state, self.draft_dtypes, *self.draft_vocab,
+                                 prompt_lookup=self.prompt_lookup)
         return Session(self.model, self.state, self._policy, capacity=self.max_batch, width=self.max_len, mixed=True,
                        lora_backend=lora_backend(self.model, self.model.peft_config), gate=self.gate_mode,
                        num_draft_tokens=self.num_draft_tokens, drafters=drafters, prepack=self.prepack,

@@ -154,6 +154,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the drafter's linear layers in this dtype (int8 / int4: weight-only, the CPU); several "
                         "(e.g. float32 int8 int4; float32: the model's own precision): the gate picks one per cycle; "
                         "auto (default): float32 int8 int4 on the CPU where the copies fit in memory, else float32")
+    p.add_argument("--prompt-lookup", default="on", choices=("on", "off"),
+                   help="also draft by prompt lookup (what followed an earlier occurrence of a request's last tokens "
+                        "in its prompt and output; no model pass), among the drafters the gate picks from")
     p.add_argument("--prepack", default="auto", choices=("auto", "on", "off"),
                    help="float32 linear layers on weight copies prepacked for oneDNN (the CPU: faster matmuls, the "
                         "weights' size again in memory); auto: where the copies fit in half the memory available")
@@ -228,7 +231,7 @@ def build_server(args: argparse.Namespace) -> Server | int:
     engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, num_draft_tokens=args.num_draft_tokens,
                     gate=args.gate, max_queue=args.max_queue, max_loras=args.max_loras,
                     max_cpu_loras=args.max_cpu_loras, adapter_paths=adapter_paths,
-                    draft_dtype=draft_dtypes(args.draft_dtype),
+                    draft_dtype=draft_dtypes(args.draft_dtype), prompt_lookup=args.prompt_lookup == "on",
                     prepack={"auto": "auto", "on": True, "off": False}[args.prepack],
                     prefill_chunk=PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk or None,
                     max_lora_rank=args.max_lora_rank).start()
