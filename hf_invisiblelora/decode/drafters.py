@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
@@ -334,21 +335,27 @@ def match(tokens: torch.Tensor, ends: torch.Tensor, longest: int = LOOKUP_NGRAMS
         earlier occurrence of the row's last n tokens); the first n that has one is taken:
         start = i + n, period = len(c) - n - i, ngram = n; a row with none: start = len(c) - 1,
         period = 1, ngram = 0.
-    tokens [B, W], ends [B]. Batched tensor ops: no host copy, no per-row loop."""
-    span = int(ends.max())
-    ctx, device = tokens[:, :span], tokens.device
-    start, period, ngram = ends - 1, torch.ones_like(ends), torch.zeros_like(ends)
+    tokens [B, W], ends [B]. On the host, in NumPy (a few vectorized ops over the rows: a cycle's
+    plan needs its labels there anyway; torch ops cost twice as much in dispatch at these sizes)."""
+    device, e = tokens.device, ends.cpu().numpy()
+    span = int(e.max())
+    ctx = tokens[:, :span].cpu().numpy()
+    rows, p = np.arange(ctx.shape[0]), np.arange(span)
+    # ends[b, p]: c[p - n + 1 .. p] equals the row's last n tokens, for n = 1, 2, ...: one comparison more each
+    ending = (ctx == ctx[rows, np.maximum(e - 1, 0)][:, None]) & (p <= (e - 2)[:, None])  # before the last token
+    runs = [ending]
+    for m in range(1, longest):
+        same = np.zeros_like(ending)
+        same[:, m:] = ctx[:, :-m] == ctx[rows, np.maximum(e - 1 - m, 0)][:, None]
+        ending = ending & same & (e > m)[:, None]
+        runs.append(ending)
+    start, period, ngram = e - 1, np.ones_like(e), np.zeros_like(e)
     for n in range(longest, shortest - 1, -1):
-        if span <= n:
-            continue
-        pattern = ctx.gather(1, (ends[:, None] - n + torch.arange(n, device=device)).clamp(min=0))
-        i = torch.arange(span - n + 1, device=device)
-        hit = (ctx.unfold(1, n, 1) == pattern[:, None]).all(-1) & (i < (ends - n)[:, None])
-        last = torch.where(hit, i, -1).amax(1)
+        last = np.where(runs[n - 1], p, -1).max(1)  # the latest match of n tokens ends there
         take = (last >= 0) & (ngram == 0)
-        start, period = torch.where(take, last + n, start), torch.where(take, ends - n - last, period)
-        ngram = torch.where(take, n, ngram)
-    return Match(start, period, ngram)
+        start, period = np.where(take, last + 1, start), np.where(take, e - 1 - last, period)
+        ngram = np.where(take, n, ngram)
+    return Match(*(torch.from_numpy(v).to(device) for v in (start, period, ngram)))
 
 
 def lookup(tokens: torch.Tensor, m: Match, k: int) -> torch.Tensor:
