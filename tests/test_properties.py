@@ -65,7 +65,9 @@ def test_same_as_standard_decoding(batch, arch, k, gate, new, eos):
         generated = ref[row, p:].tolist()
         stop = next((i + 1 for i, t in enumerate(generated) if eos is not None and t == eos), len(generated))
         assert committed == stop
-    assert sum(s.k_per_cycle) == s.draft_passes and len(s.k_per_cycle) == s.cycles
+    assert len(s.k_per_cycle) == len(s.drafter_per_cycle) == s.cycles
+    assert all((k == 0) == (d is None) for k, d in zip(s.k_per_cycle, s.drafter_per_cycle))
+    assert s.draft_passes == sum(k for k, d in zip(s.k_per_cycle, s.drafter_per_cycle) if d not in (None, "/lookup"))
     assert all(0 <= a <= d for a, d in zip(s.accepted, s.drafted))
     assert all(x <= k for x in s.k_per_cycle)
     if gate == "never" or k == 0:

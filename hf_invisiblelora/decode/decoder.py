@@ -178,8 +178,8 @@ class Decoder:
     ``time_limits``: see ``commit``. ``recompute``: a rotary.Recompute when standard decoding recomputes
     its cache at some slot. ``span``: run every pass over rows 0..span-1 (generate(): processors
     then see the whole batch, as in standard decoding), else over the rows up to the last active
-    one. ``history``: keep each cycle's k in ``k_per_cycle`` (generate()'s stats; a server's long
-    run keeps only ``k``, the last). ``scores``: a processors.ScoreHistory when the criteria are
+    one. ``history``: keep each cycle's k and drafter (``k_per_cycle``, ``drafter_per_cycle``:
+    generate()'s stats; a server's long run keeps only ``k``, the last). ``scores``: a processors.ScoreHistory when the criteria are
     handed the processed scores (generate() returning scores), recorded from the prefill and the
     verify passes. ``keep_prefill``: keep the prefill's raw logits (float32 [n, V],
     ``prefill_logits``) for returned logits / scores.
@@ -195,6 +195,7 @@ class Decoder:
         self.names = [None] * capacity  # each row's adapter
         self.timer = PassTimer(self.batch.tokens.device)
         self.cycles, self.k, self.k_per_cycle, self.history = 0, 0, [], history
+        self.drafter_per_cycle, self.draft_passes = [], 0
         self.drafted, self.accepted, self.row_cycles = [0] * capacity, [0] * capacity, [0] * capacity
         self.waiting = [False] * capacity  # rows whose prompt is being prefilled in chunks (prefill)
         self.scores, self.keep_prefill, self.prefill_logits = scores, keep_prefill, None
@@ -271,10 +272,12 @@ class Decoder:
         labels = [None if plan is None else plan.labels for plan in plans]
         k = self.gate.choose([0 if batch.done_h[r] else batch.max_new_h[r] - batch.gen_h[r] for r in range(hi)], labels)
         self.cycles, self.k = self.cycles + 1, k
-        if self.history:
-            self.k_per_cycle.append(k)
         pick = self.gate.pick
         builds, drafter = self.fwd.builds, self.drafters[pick]
+        if self.history:
+            self.k_per_cycle.append(k)
+            self.drafter_per_cycle.append(drafter.key if k else None)
+            self.draft_passes += k if drafter.passes else 0
         with self.timer("draft"):
             drafts, draft_probs = drafter.propose(self.fwd, batch, hi, k, self.policy, plans[pick])
         if self.recompute is not None:
@@ -375,7 +378,8 @@ class Decoder:
 
     def fill_stats(self, stats, new: int) -> None:
         """generate()'s DecodingStats: per row, and the gate's decisions per cycle."""
-        stats.cycles, stats.k_per_cycle, stats.draft_passes = self.cycles, self.k_per_cycle, sum(self.k_per_cycle)
+        stats.cycles, stats.k_per_cycle, stats.draft_passes = self.cycles, self.k_per_cycle, self.draft_passes
+        stats.drafter_per_cycle = self.drafter_per_cycle
         stats.drafted, stats.accepted, stats.row_cycles = self.drafted, self.accepted, self.row_cycles
         stats.committed = [min(g, new) for g in self.batch.gen_h]
         stats.cache_bytes = self.fwd.cache.nbytes

@@ -196,19 +196,24 @@ class Gate:
             self.pick = self.turn % len(self.drafters)
         if self.mode == "always" or cap == 0:
             return cap
-        if self.mode == "never" or self.drafters == [""] and all(b for b, r in zip(self.is_base, remaining) if r):
-            return 0  # no adapter work to save: a draft pass of the base model costs what a plain step costs
+        # Rows without an adapter have no adapter work to save: the base model as it is drafts for them
+        # at the cost of their plain step (cheaper drafters still may: speculative decoding of the base).
+        all_base = all(b for b, r in zip(self.is_base, remaining) if r)
+        candidates = [j for j, d in enumerate(self.drafters) if d or not all_base]
+        if self.mode == "never" or not candidates:
+            return 0
         labels = labels or [None] * len(self.drafters)
         costs = self._costs()
-        if ("verify", self.shape, 1) not in self.memory.costs and None in costs:
+        if ("verify", self.shape, 1) not in self.memory.costs and any(costs[j] is None for j in candidates):
             return 0  # calibrate with the cheapest cycles: a plain step, then one draft per drafter
-        if None in costs:
-            self.pick = costs.index(None)
+        uncalibrated = [j for j in candidates if costs[j] is None]
+        if uncalibrated:
+            self.pick = uncalibrated[0]
             return 1
         # Plain floats: this runs every cycle, and small tensor ops would cost more than the arithmetic.
-        options = range(min(cap, len(costs[0]) - 1) + 1)
+        options = range(min(cap, len(costs[candidates[0]]) - 1) + 1)
         best, finish, perfect = 0, float("inf"), 0
-        for j in range(len(self.drafters)):
+        for j in candidates:
             rows = [(self._acceptance(j, i, labels[j]), r) for i, r in enumerate(remaining) if r]
             z = expected_max(sum(1 for a, _ in rows if 0 < a < 1)) if self.together else 0.0  # rows drafting at random
             k, t = _best(rows, costs[j], options, z)
@@ -218,7 +223,7 @@ class Gate:
             perfect = max(perfect, _best([(1.0, r) for _, r in rows], costs[j], options, 0.0)[0])
         k = self._probe(best, cost_bound=perfect == 0)
         if k and not best:  # a re-check of drafting: with the drafter that comes closest to paying
-            self.pick = min(range(len(costs)), key=lambda j: costs[j][1])
+            self.pick = min(candidates, key=lambda j: costs[j][1])
         return k
 
     def _probe(self, best: int, cost_bound: bool) -> int:

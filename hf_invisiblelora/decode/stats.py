@@ -11,7 +11,9 @@ class DecodingStats:
 
     ``drafted[b]``: draft tokens proposed for row b; ``accepted[b]``: those the verify pass kept;
     ``committed[b]``: new tokens in the output (accepted drafts + one target token per cycle,
-    cut at EOS / stopping criteria / max length).
+    cut at EOS / stopping criteria / max length). ``drafter_per_cycle``: the key of the drafter
+    that drafted each cycle (drafters.Drafter.key: "" the base model as it is; None for a plain
+    step); ``draft_passes``: the model passes they ran (prompt lookup runs none).
     """
 
     adapter_names: list[str]
@@ -19,6 +21,7 @@ class DecodingStats:
     cycles: int = 0
     draft_passes: int = 0
     k_per_cycle: list[int] = field(default_factory=list)
+    drafter_per_cycle: list = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
@@ -70,6 +73,7 @@ class DecodingStats:
             "draft_passes": self.draft_passes,
             "gate_skips": self.gate_skips,
             "k_per_cycle": self.k_per_cycle,
+            "drafter_per_cycle": self.drafter_per_cycle,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "committed": self.committed,
@@ -86,6 +90,10 @@ class DecodingStats:
             f"gate skipped drafting {self.gate_skips}x); acceptance {rate(self.acceptance_rate)}; "
             f"{self.tokens_per_cycle:.2f} tokens per row and cycle"
         ]
+        drafting = [d for d in self.drafter_per_cycle if d is not None]
+        if drafting:
+            lines.append("  drafted by: " + ", ".join(f"{d or 'the base model'} in {drafting.count(d)} cycles"
+                                                      for d in dict.fromkeys(drafting)))
         for name, s in self.per_adapter.items():
             lines.append(
                 f"  {name:>16}: rows {s['rows']}, drafted {s['drafted']}, accepted {s['accepted']} "
