@@ -92,6 +92,27 @@ def test_the_spread_of_many_rows_can_make_drafting_lose():
     assert g.choose([48] * 8) == 1
 
 
+def test_an_engine_weighs_its_rows_tokens_a_call_its_last_row():
+    """Prompt lookup with a 3-token match for half the rows and none for the others: a generate call
+    waits for its last row, which cannot gain this cycle, and takes a plain step; a serving engine's
+    requests end on their own, and it drafts for the rows that can use it (the others commit their
+    one token as in a plain step)."""
+    rows = [f"a{i % 4}" for i in range(8)]
+    costs = {1: 0.1, 2: 0.112, 3: 0.124, 4: 0.136, 5: 0.148}
+    mem = GateMemory()
+    shape = (8, 4, "eager")
+    for q, t in costs.items():
+        mem.costs[("verify", shape, q)] = t
+    mem.costs[("draft", (8, "eager/lookup"))] = 0.0005
+    for a in set(rows):
+        mem.accepted[(a, "/lookup/3")], mem.trials[(a, "/lookup/3")] = 870.0, 1000.0
+    labels = [["3", None] * 4]
+    for together, drafts in ((True, False), (False, True)):
+        g = Gate("auto", K, mem, "__base__", drafters=("/lookup",), together=together)
+        g.set_rows(rows)
+        assert (g.choose([48] * 8, labels) > 0) == drafts
+
+
 def test_no_drafting_when_it_cannot_pay():
     # CPU-like: a pass costs in proportion to its tokens, and a draft pass as much as a plain step.
     costs = {q: 0.1 * q for q in range(1, K + 2)}

@@ -17,8 +17,10 @@ n rows' cycle counts is their mean plus z(n) standard deviations (z: the expecte
 standard normals; 0 for one row, 1.4 for 8). The term is measured, not tuned: at 8 rows accepting
 86% of drafts, k = 1 gains 5% on the mean and loses it to the spread, and the first version,
 without it, drafted there at 0.96x of plain steps (docs/benchmarks.md). A serving engine's rows
-end independently (``together=False``): each row's mean. Given several drafters
-(drafters.py: ``draft_dtype=(None, torch.int4)``), it picks the one whose best k finishes soonest.
+are requests that end on their own (``together=False``): there the gate picks the k whose cycle
+commits the batch's tokens at the least time per token, time(k) / sum over rows of mu. Given
+several drafters (drafters.py: by default the base model, its int8 / int4 copies on the CPU and
+prompt lookup), it picks the one whose best k finishes soonest.
 
 Acceptance is tracked per adapter and drafter (decayed success/trial counts, seeded by a prior,
 pooled over rows and calls; a cheaper drafter, drafters.py, is accepted less often); costs are measured from the cycles themselves (a draft
@@ -106,11 +108,16 @@ class GateMemory:
         self.costs[key] = min(window)
 
 
-def _best(rows, costs, options, z: float) -> tuple[int, float]:
-    """(k, its estimated finish time): the k of ``options`` that finishes the row finishing last
-    soonest; a plain step wins unless drafting promises MARGIN more speed. ``rows``: (acceptance,
-    tokens left) of the active rows; ``z``: the spread's weight (``expected_max``)."""
-    finish = [max(cycles(a, r, k, z) for a, r in rows) * costs[k] for k in options]
+def _best(rows, costs, options, z: float, together: bool = True) -> tuple[int, float]:
+    """(k, its estimate): the k of ``options`` that finishes the row finishing last soonest (rows that
+    end ``together``), else that commits the batch's tokens at the least time per token (a serving
+    engine's rows: requests that end on their own); a plain step wins unless drafting promises
+    MARGIN more speed. ``rows``: (acceptance, tokens left) of the active rows; ``z``: the spread's
+    weight (``expected_max``)."""
+    if together:
+        finish = [max(cycles(a, r, k, z) for a, r in rows) * costs[k] for k in options]
+    else:
+        finish = [costs[k] / sum(expected_tokens(a, r, k) for a, r in rows) for k in options]
     finish[0] /= MARGIN
     k = min(options, key=finish.__getitem__)
     return k, finish[k]
@@ -216,11 +223,11 @@ class Gate:
         for j in candidates:
             rows = [(self._acceptance(j, i, labels[j]), r) for i, r in enumerate(remaining) if r]
             z = expected_max(sum(1 for a, _ in rows if 0 < a < 1)) if self.together else 0.0  # rows drafting at random
-            k, t = _best(rows, costs[j], options, z)
+            k, t = _best(rows, costs[j], options, z, self.together)
             if t < finish:
                 best, finish, self.pick = k, t, j
             # Would drafting pay if every draft were accepted? If not for any drafter, only costs decide.
-            perfect = max(perfect, _best([(1.0, r) for _, r in rows], costs[j], options, 0.0)[0])
+            perfect = max(perfect, _best([(1.0, r) for _, r in rows], costs[j], options, 0.0, self.together)[0])
         k = self._probe(best, cost_bound=perfect == 0)
         if k and not best:  # a re-check of drafting: with the drafter that comes closest to paying
             self.pick = min(candidates, key=lambda j: costs[j][1])
