@@ -522,34 +522,46 @@ def test_failures_are_in_the_metrics_endpoint(model):
 
 
 def spy_passes(monkeypatch):
-    """Record the decoder's prefill passes (rows, first slot, end slot, the rows decoding meanwhile, the
-    prompt's slots) and its cycles (the rows decoding)."""
+    """Record the decoder's prompt passes (rows, first slot, end slot, the rows decoding meanwhile, the
+    prompt's slots, and "alone" for a pass of its own or "folded" for a chunk in a cycle's verify pass)
+    and its cycles (the rows decoding)."""
     from hf_invisiblelora.decode.decoder import Decoder
 
     log, prefill, cycle = [], Decoder.prefill, Decoder.cycle
 
     def prefill_spy(self, idx, start, end):
         log.append(("prefill", tuple(idx), start, end, tuple(r for r in self.batch.active if r not in idx),
-                    self.batch.plen_h[idx[0]]))
+                    self.batch.plen_h[idx[0]], "alone"))
         return prefill(self, idx, start, end)
 
-    def cycle_spy(self):
+    def cycle_spy(self, joining=None):
+        if joining is not None:
+            rows, start, end = joining
+            log.append(("prefill", tuple(rows), start, end, tuple(self.batch.active), self.batch.plen_h[rows[0]],
+                        "folded"))
         log.append(("cycle", tuple(self.batch.active)))
-        return cycle(self)
+        return cycle(self, joining)
 
     monkeypatch.setattr(Decoder, "prefill", prefill_spy)
     monkeypatch.setattr(Decoder, "cycle", cycle_spy)
     return log
 
 
-def test_long_prompts_are_prefilled_in_chunks_between_cycles(model, monkeypatch):
-    """prefill_chunk=8: a group with more prompt tokens (rows x slots) is prefilled in passes of at
-    most 8, one between two cycles of the rows decoding; every greedy answer equals standalone
-    generate(); a seeded sampled request gives the tokens it gives with whole-prompt prefills."""
+@pytest.mark.parametrize("fold", [True, False])
+def test_prompts_ride_in_the_cycles_verify_passes(model, monkeypatch, fold):
+    """While rows decode, a joining prompt takes no pass of its own: it rides in a cycle's verify pass,
+    in chunks of at most prefill_chunk tokens (8 here), one a cycle (fold=False: chunks too wide to
+    fold, FOLD_SLOTS 0: passes of their own, one between two cycles); every greedy answer equals
+    standalone generate(); a seeded sampled request gives the tokens it gives with whole-prompt
+    prefills."""
+    from hf_invisiblelora.engine import engine as engine_module
+
+    if not fold:
+        monkeypatch.setattr(engine_module, "FOLD_SLOTS", 0)
     log = spy_passes(monkeypatch)
     g = torch.Generator().manual_seed(21)
     # The long prompt first: its row (0) waits for its chunks below a row that decodes (1).
-    jobs = [(random_prompt(g, 37), "b", 6), (random_prompt(g, 3), "s", 30)] + \
+    jobs = [(random_prompt(g, 37), "b", 6), (random_prompt(g, 3), "s", 56)] + \
         [(random_prompt(g, n), a, 6) for n, a in ((20, "__base__"), (29, "c"), (5, "d"))]
     engine = Engine(model, max_batch=3, max_len=64, num_draft_tokens=2, gate="always", prefill_chunk=8).start()
     try:
@@ -566,24 +578,40 @@ def test_long_prompts_are_prefilled_in_chunks_between_cycles(model, monkeypatch)
     finally:
         engine.stop()
     assert sampled[8] == sampled[None]
-    assert ("prefill", (0,), 0, 37, (), 37) in log[len(chunked_log):]  # the control: one pass
+    assert ("prefill", (0,), 0, 37, (), 37, "alone") in log[len(chunked_log):]  # the control: one pass
     log = chunked_log
     passes = [e for e in log if e[0] == "prefill"]
     assert all(len(e[1]) * (e[3] - e[2]) <= 8 for e in passes)  # the budget of every pass
-    later = [e for e in passes if e[2] > 0]  # chunks after a group's first
-    assert len({e[1] for e in later}) >= 2 and any(e[4] for e in later)
-    for e in later:  # while rows decode, one of their cycles runs between two chunks of a group
-        i = log.index(e)
-        previous = max(j for j in range(i) if log[j][0] == "prefill" and log[j][1] == e[1] and log[j][3] == e[2])
-        between = [x for x in log[previous + 1:i] if x[0] == "cycle"]
-        assert not e[4] or between and set(e[1]).isdisjoint(between[0][1]), (e, log[previous:i])
-    chunks = [0]  # chunk passes (not a whole prompt) between two cycles while rows decode: at most one
+    while_decoding = [e for e in passes if e[4]]
+    assert len({(e[1], e[5]) for e in while_decoding}) >= 2  # groups (rows, prompt slots)
+    assert {e[6] for e in while_decoding} == {"folded" if fold else "alone"}
+    chunks = [0]  # chunks (not a whole prompt) per cycle while rows decode: at most one
     for x in log:
         if x[0] == "cycle":
             chunks.append(0)
         elif x[2:4] != (0, x[5]) and x[4]:
             chunks[-1] += 1
     assert max(chunks) == 1
+
+
+def test_a_join_costs_no_pass_of_its_own(model, monkeypatch):
+    """Short prompts joining rows that decode are prefilled in the cycles' verify passes: the model
+    runs one pass per cycle (plus the drafts); only a group that joins while no row decodes (the
+    first) has a pass of its own."""
+    log = spy_passes(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    jobs = [(random_prompt(g, 3 + i % 5), NAMES[i % 4], 3 + 2 * (i % 4)) for i in range(10)]
+    engine = Engine(model, max_batch=3, max_len=48, num_draft_tokens=2, gate="never").start()
+    try:
+        with engine._wake:
+            handles = [engine.submit(Request(p, adapter=a, max_tokens=m, temperature=0)) for p, a, m in jobs]
+        for (prompt, adapter, m), h in zip(jobs, handles):
+            assert h.result(60) == standalone(model, prompt, adapter, m), adapter
+    finally:
+        engine.stop()
+    passes = [e for e in log if e[0] == "prefill"]
+    assert passes[0][4] == () and all((e[6] == "folded") == bool(e[4]) for e in passes)
+    assert sum(e[6] == "folded" for e in passes) >= 3
 
 
 def test_models_with_windowed_caches_prefill_whole_prompts(monkeypatch):

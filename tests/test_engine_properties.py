@@ -206,7 +206,8 @@ def test_request_mixes_decode_exactly(mix):
             assert h.tokens == [] and h.finish_reason == "cancelled"
 
     # The metrics add up (the request submitted after a fault is not in the snapshot).
-    admitted = [h for h in handles if h.tokens or (h.finish_reason == "error" and "prefill" in h.error)]
+    # (A request that failed was in a row: in its prefill, or in a cycle its prompt rode in or it decoded in.)
+    admitted = [h for h in handles if h.tokens or h.finish_reason == "error"]
     assert m["requests"] == len(admitted)
     assert m["tokens"] == sum(len(h.tokens) for h in handles)
     assert sum(m["k_hist"].values()) == m["cycles"]

@@ -52,3 +52,40 @@ def test_ragged_pass_equals_a_pass_per_row(switch, arch):
         for r, e in enumerate(end):  # the real tokens' entries match; nothing written past them
             torch.testing.assert_close(keys(fwd)[r, :, :e], keys(ref)[r, :, :e], rtol=0, atol=1e-12)
             assert not keys(fwd)[r, :, e:].any()
+
+
+def test_a_ragged_pass_computes_only_its_real_tokens(monkeypatch):
+    """float32 with the prepacked linear layers (the CPU's default): the layers of a ragged pass
+    compute each row's real tokens only (rows x width would pay for the padding of the widest row),
+    and its logits are what a pass per row gives; the head runs at the positions kept."""
+    from hf_invisiblelora.kernels import packed_linear
+    from hf_invisiblelora.model.prepack import PackedLinears
+
+    model = tiny_peft("llama", strength=0.6, dtype=torch.float32)
+    inner, state = model.get_base_model(), state_of(model)
+    seen, real = [], packed_linear.linear
+    monkeypatch.setattr(packed_linear, "linear", lambda x, packed, bias: seen.append(x.reshape(-1, x.shape[-1]).shape[0])
+                        or real(x, packed, bias))
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(2, inner.config.vocab_size, (len(NAMES), 8), generator=g)
+    lens = [6, 1, 3]
+    with state.hold(), torch.no_grad():
+        packed = PackedLinears(model, state, True)
+        got, want = None, []
+        for ragged in (True, False):
+            lora = BankSwitch(model, mixed=True)
+            fwd = EagerForward(inner, lora, len(NAMES), 16, inner.device, state.mine)
+            lora.set_rows(NAMES)
+            fwd.layout.load(list(range(len(NAMES))), None, torch.arange(8).expand(len(NAMES), -1), [11] * len(NAMES))
+            with lora.installed(fwd.context), packed.installed(fwd.context):
+                if ragged:
+                    seen.clear()
+                    got = fwd(tokens[:, :6], torch.zeros(len(NAMES), dtype=torch.long), 6, keep=1, lens=torch.tensor(lens))
+                    counts = list(seen)
+                else:
+                    for r, n in enumerate(lens):
+                        row = torch.tensor([r])
+                        want.append(fwd(tokens[r : r + 1, :n], row * 0, n, keep=1, rows=row)[0])
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-5, atol=1e-5)
+    assert counts[:-1] == [sum(lens)] * (len(counts) - 1)  # every layer: the 10 real tokens, not 3 x 6
+    assert counts[-1] == len(NAMES) * len({n - 1 for n in lens})  # the head: the rows at positions 5, 0, 2

@@ -92,12 +92,26 @@ class Batch:
         return max(self.plen_h[r] + self.gen_h[r] for r in range(hi)) - 1 + extra
 
 
-def verify(fwd, batch: Batch, hi: int, k: int, policy):
-    """One LoRA-on pass over [last, d_1..d_k] per row; returns processed target scores [hi, k+1, V]."""
+def verify(fwd, batch: Batch, hi: int, k: int, policy, joining=None):
+    """One LoRA-on pass over [last, d_1..d_k] per row of 0..hi-1; returns (processed target scores
+    [hi, k+1, V], None). ``joining`` (rows, start, end): the pass also runs those rows' prompt
+    slots [start, end) (rows waiting for their prompt: a ragged pass, each row its own tokens; the
+    linear layers compute the real ones only), and returns their raw logits at slot end - 1 [n, 1, V]
+    second."""
     start = batch.ends(hi) - 1
-    ids = batch.tokens[:hi].gather(1, start[:, None] + torch.arange(k + 1, device=start.device))
-    logits = fwd(ids, start, batch.kv_end(hi, k + 1), keep=k + 1, rows=slice(0, hi))
-    return policy.scores(batch, slice(0, hi), logits, offset=0, target=True)
+    if joining is None:
+        ids = batch.tokens[:hi].gather(1, start[:, None] + torch.arange(k + 1, device=start.device))
+        logits = fwd(ids, start, batch.kv_end(hi, k + 1), keep=k + 1, rows=slice(0, hi))
+        return policy.scores(batch, slice(0, hi), logits, offset=0, target=True), None
+    rows, lo, end = joining
+    span, q, sub = max(hi, max(rows) + 1), max(k + 1, end - lo), torch.tensor(rows, device=start.device)
+    starts, lens = start.new_zeros(span), start.new_zeros(span)  # rows hi.. that are not joining: nothing
+    starts[:hi], lens[:hi] = start, k + 1
+    starts[sub], lens[sub] = lo, end - lo
+    at = (starts[:, None] + torch.arange(q, device=start.device)).clamp(max=batch.tokens.shape[1] - 1)
+    logits = fwd(batch.tokens[:span].gather(1, at), starts, max(batch.kv_end(hi, k + 1), end), keep=k + 1,
+                 rows=slice(0, span), lens=lens)
+    return policy.scores(batch, slice(0, hi), logits[:hi], offset=0, target=True), logits[sub, -1:]
 
 
 def commit(batch: Batch, hi: int, n, next_token, k: int, eos, criteria, freeze: bool, members=None,
@@ -261,9 +275,13 @@ class Decoder:
                               time_limits=self.time_limits, scores=self.scores)
         return committed
 
-    def cycle(self):
+    def cycle(self, joining=None):
         """One cycle over the active rows: gate, draft, verify, accept, commit. Returns the tokens
-        kept per row (host list, rows 0..hi-1)."""
+        kept per row (host list, rows 0..hi-1). ``joining`` (rows, start, end): a chunk of prompt
+        slots of rows waiting for their prompt (admitted with ``upto=0``: a serving engine's
+        prefill, ``chunkable`` models) rides in the verify pass (one pass a cycle, as vLLM's chunked
+        prefill mixes prompt and decode tokens); its last chunk gives each of them its first token,
+        as ``prefill`` does, and the list spans them too."""
         batch = self.batch
         hi, active = self.span or batch.hi, batch.active
         self.gate.set_rows(self.names[:hi])
@@ -285,14 +303,17 @@ class Decoder:
         # The gate weighs whole cycles: what follows the drafts (verify, accept, commit) is timed as
         # one, so the work a cycle does besides its passes counts against the k that caused it.
         with self.timer("verify"):
-            scores = verify(self.fwd, batch, hi, k, self.policy)
+            scores, joined = verify(self.fwd, batch, hi, k, self.policy, joining)
             n, next_token = self.policy.accept(drafts, draft_probs, scores, batch, slice(0, hi))
             if self.recompute is not None:
                 n, next_token = self.recompute.cap(batch, hi, n, next_token, drafts)
             if self.scores is not None:  # position t of the verify pass chose token gen + t
                 self.scores.record(torch.arange(hi, device=scores.device), batch.gen_h[:hi], scores,
                                    live=[not d for d in batch.done_h[:hi]])
-            committed, n_h = commit(batch, hi, n, next_token, k, self.eos, self.criteria, self.freeze,
+            span = hi
+            if joining is not None:
+                span, n, next_token = self._joined(joining, joined, hi, n, next_token)
+            committed, n_h = commit(batch, span, n, next_token, k, self.eos, self.criteria, self.freeze,
                                     time_limits=self.time_limits, scores=self.scores)
         drafter.learn(batch, hi, n_h)
         for r in active:
@@ -300,10 +321,29 @@ class Decoder:
             self.accepted[r] += n_h[r]
             self.row_cycles[r] += 1
         spans = self.timer.collect()
-        if self.fwd.builds == builds:  # not a pass's compilation
-            self.gate.observe(k, n_h, [r in active for r in range(hi)], spans.get("draft"), spans["verify"],
-                              labels[pick])
+        if self.fwd.builds == builds:  # not a pass's compilation (nor, for its cost, one with prompt slots)
+            self.gate.observe(k, n_h[:hi], [r in active for r in range(hi)], spans.get("draft"),
+                              spans["verify"] if joining is None else None, labels[pick])
         return committed
+
+    def _joined(self, joining, logits, hi: int, n, next_token):
+        """After a verify pass that ran ``joining``'s prompt chunk: (the rows the commit spans, n,
+        next token), with the joining rows' first tokens (from ``logits``, their last prompt slot's)
+        if the chunk ended their prompts; they then decode from the next cycle on."""
+        rows, _, end = joining
+        batch, span = self.batch, max(hi, max(rows) + 1)
+        waiting = end < batch.plen_h[rows[0]]  # more chunks to come
+        for r in rows:
+            batch.done_h[r] = self.waiting[r] = waiting
+        sub = torch.tensor(rows, device=n.device)
+        full_n, full_next = n.new_zeros(span), next_token.new_zeros(span)
+        full_n[:hi], full_next[:hi] = n, next_token
+        full_n[sub] = 0  # (rows among 0..hi-1 rode along in the drafts: nothing of theirs is kept)
+        if waiting:
+            return span, full_n, full_next
+        scores = self.policy.scores(batch, sub, logits, offset=0, target=True)
+        full_n[sub], full_next[sub] = self.policy.accept(batch.tokens.new_zeros(len(rows), 0), None, scores, batch, sub)
+        return span, full_n, full_next
 
     # --- rows changed from outside the cycle (the serving engine) ---
 

@@ -287,10 +287,11 @@ class Gate:
         drafts = [self.memory.costs.get(("draft", shape)) for shape in self.draft_shapes]
         return [None if d is None else [k * d + t for k, t in enumerate(verify)] for d in drafts]
 
-    def observe(self, k: int, n_accepted: list[int], active: list[bool], draft_s: float | None, verify_s: float,
-                labels: list | None = None):
-        """Learn from one cycle: k drafts, per-row accepted counts (rows active at its start), pass times;
-        ``labels``: the picked drafter's classes of the rows' proposals (``choose``)."""
+    def observe(self, k: int, n_accepted: list[int], active: list[bool], draft_s: float | None,
+                verify_s: float | None, labels: list | None = None):
+        """Learn from one cycle: k drafts, per-row accepted counts (rows active at its start), pass times
+        (``verify_s`` None: not this shape's cost, a pass that also ran prompt slots); ``labels``: the
+        picked drafter's classes of the rows' proposals (``choose``)."""
         m, j = self.memory, self.pick
         if k:
             m.observe_cost(("draft", self.draft_shapes[j]), draft_s / k)
@@ -299,4 +300,5 @@ class Gate:
                 if act and (labels is None or labels[i] is not None) and not (self.is_base[i] and not self.drafters[j]):
                     # n successes, then one failure unless every draft was kept (Bernoulli per position).
                     m.observe_acceptance(self._key(j, i, labels), n, n + (n < k))
-        m.observe_cost(("verify", self.shape, k + 1), verify_s)
+        if verify_s is not None:
+            m.observe_cost(("verify", self.shape, k + 1), verify_s)

@@ -10,13 +10,16 @@ serving/ runs on it; it is a plain object and needs no HTTP).
     handle.finish_reason             # "stop" (EOS or stopped by the caller) or "length"
     engine.stop()
 
-Each cycle the engine admits waiting requests into free rows (a prefill of those rows: one per
-group of them whose prompts, left-padded to the group's longest, leave every row room for its
-budget and the drafts), then runs one decoder cycle (decoder.py: the gate's drafts, one verify
-pass over every active row, acceptance) and hands each request its committed tokens. A group with
-more prompt tokens than ``prefill_chunk`` is prefilled in chunks of at most that many, one chunk
-between two cycles (as vLLM and SGLang bound a step's prefill tokens): rows that decode wait for a
-chunk, never for a whole long prompt; the group's rows join the cycles after their last chunk. A
+Each cycle the engine admits waiting requests into free rows (in prefill groups whose prompts,
+left-padded to the group's longest, leave every row room for its budget and the drafts), then
+runs one decoder cycle (decoder.py: the gate's drafts, one verify pass over every active row,
+acceptance) and hands each request its committed tokens. While rows decode, a joining group's
+prompt rides in the cycle's verify pass (a ragged pass: each row its own tokens, the linear layers
+computing the real ones only), in chunks of at most ``prefill_chunk`` tokens, one chunk a cycle (as
+vLLM's and SGLang's chunked prefill mixes prompt and decode tokens in a step): a join costs no pass
+of its own, and rows that decode never wait for a whole long prompt; the group's rows decode from
+the cycle after their last chunk. With no row decoding (or for requests that want their prompt's
+log-probabilities), a group is prefilled in passes of its own. A
 request's output does not depend on what else shares the batch: greedy output equals standalone
 ``generate()`` of its prompt with its adapter, and sampling with a seed gives the same tokens
 whatever the batch (policies.RequestPolicy). An unexpected exception in a prefill, a cycle or a
@@ -76,6 +79,10 @@ __all__ = ["Engine", "PREFILL_CHUNK", "Request", "Handle", "Status", "MAX_LOGPRO
 
 
 PREFILL_CHUNK = 512  # Engine(prefill_chunk=): prompt tokens per prefill pass (--prefill-chunk)
+# The most prompt slots per row a chunk that rides in a cycle's verify pass may have: the pass is
+# rectangular outside the linear layers, so its attention runs every row over the chunk's width
+# (rows x width queries); a wider chunk takes a pass of its own.
+FOLD_SLOTS = 64
 
 
 class QueueFull(RuntimeError):
@@ -109,8 +116,8 @@ class Engine:
         vocabulary: the most frequent tokens earlier generate(invisible_lora=True) calls on the
         model have seen). ``prepack``: the linear layers on prepacked weight copies, as generate() takes it
         (prepack.py: checked or made when the engine's thread starts). ``prefill_chunk``: the most
-        prompt tokens one prefill pass takes (rows x tokens; None: every prompt in one pass): longer
-        prompts are prefilled in chunks, one between two cycles (the module docstring).
+        prompt tokens one pass takes (rows x tokens; None: every prompt in one): longer prompts are
+        prefilled in chunks, one a cycle (the module docstring).
         ``max_lora_rank``: the largest rank an adapter loaded while serving may have (vLLM's
         ``max_lora_rank``), checked before anything is allocated for it (files.py)."""
         check_model(model)
@@ -356,17 +363,18 @@ class Engine:
             needed = self._admit(decoder)
             if needed is not None:
                 return needed
-            if self._chunked:  # one chunk between two cycles
-                self._next_chunk(decoder)
+            # The next chunk of prompt slots rides in the cycle's verify pass; alone if no row decodes.
+            joining = self._next_chunk(decoder, fold=bool(decoder.batch.active)) if self._chunked else None
             if decoder.batch.active:
-                self._cycle(decoder)
+                self._cycle(decoder, joining)
 
-    def _cycle(self, decoder: Decoder) -> None:
-        """One decoder cycle over the active rows, then delivery. If it raises, the requests in it
-        end with "error" and the engine serves on (``Rows.fail``)."""
+    def _cycle(self, decoder: Decoder, joining=None) -> None:
+        """One decoder cycle over the active rows, then delivery; ``joining`` ((group, start, end) of
+        ``_next_chunk``): a chunk of a group's prompt slots in its verify pass. If it raises, the
+        requests in it end with "error" and the engine serves on (``Rows.fail``)."""
         try:
             before = list(zip(decoder.drafted, decoder.accepted))
-            committed = decoder.cycle()
+            committed = decoder.cycle(None if joining is None else ([r for r, _ in joining[0]], *joining[1:]))
             with self._state_lock:
                 m = self.metrics
                 m["cycles"] += 1
@@ -375,10 +383,22 @@ class Engine:
                     m["drafted"][h.request.adapter] += decoder.drafted[r] - before[r][0]
                     m["accepted"][h.request.adapter] += decoder.accepted[r] - before[r][1]
         except Exception as e:  # noqa: BLE001 - every row of the cycle is involved; the engine serves on
-            # Rows waiting for their prompt's chunks were not in it: a cycle writes their slots only
-            # from their last prompt slot on, which their last chunk writes again.
-            self._rows.fail(decoder, [(r, h) for r, h in self._rows.taken() if not decoder.waiting[r]], "decoding", e)
+            # Rows waiting for their prompt's chunks were not in it (but the joining group, whose chunk
+            # was): a cycle writes their slots only from their last prompt slot on, which their last
+            # chunk writes again.
+            group = joining[0] if joining is not None else []
+            if joining is not None:
+                self._chunked.popleft()
+            self._rows.fail(decoder, [(r, h) for r, h in self._rows.taken()
+                                      if not decoder.waiting[r] or (r, h) in group], "decoding", e)
             return
+        if joining is not None:
+            group, _, end = joining
+            self._chunked[0][1] = end
+            if not decoder.waiting[group[0][0]]:  # its prompts are in: their first tokens too
+                self._chunked.popleft()
+                self._rows.prefilled(decoder, group, committed)
+                return
         self._rows.deliver(decoder, committed)
 
     def _run_commands(self) -> bool:
@@ -464,7 +484,9 @@ class Engine:
                 stops = self.stop_ids(h.request.ignore_eos, h.request.stop_token_ids)
                 decoder.set_stops(r, stops)
                 self._policy.set_request(r, h.request, stops)
-            chunked = self.prefill_chunk is not None and len(group) * width > self.prefill_chunk and decoder.chunkable
+            # While rows decode, a short prompt rides in a cycle's verify pass (_next_chunk), as the chunks do.
+            folded = bool(decoder.batch.active) and width <= FOLD_SLOTS and not self._policy.wants_prompt([r for r, _ in group])
+            chunked = decoder.chunkable and (folded or self.prefill_chunk is not None and len(group) * width > self.prefill_chunk)
             # max_tokens 0 (the prompt's log-probabilities only): decoded as 1, nothing delivered (Rows.deliver)
             committed = decoder.admit([r for r, _ in group], ids, mask, prompt_positions(mask, ids),
                                  [max(h.request.max_tokens, 1) for _, h in group],
@@ -477,23 +499,29 @@ class Engine:
             return
         self._rows.prefilled(decoder, group, committed)
 
-    def _next_chunk(self, decoder: Decoder) -> None:
+    def _next_chunk(self, decoder: Decoder, fold: bool):
         """The next chunk of the oldest group being prefilled in chunks (its requests still in their
-        rows: cancelled ones are gone); its last chunk delivers the rows' first tokens."""
+        rows: cancelled ones are gone): (group, start, end) for the cycle's verify pass if ``fold``
+        (and its requests want no prompt log-probabilities, which a pass of their own computes), else
+        run in a pass of its own, None returned; its last chunk delivers the rows' first tokens."""
         entry = self._chunked[0]
         group, done = entry
         group = entry[0] = [(r, h) for r, h in group if self._rows.handles[r] is h]
         if not group:
             self._chunked.popleft()
-            return
-        end = min(done + max(self.prefill_chunk // len(group), 1), decoder.batch.plen_h[group[0][0]])
+            return None
+        budget = self.prefill_chunk or decoder.batch.plen_h[group[0][0]] * len(group)
+        end = min(done + max(budget // len(group), 1), decoder.batch.plen_h[group[0][0]])
+        if fold and end - done <= FOLD_SLOTS and not self._policy.wants_prompt([r for r, _ in group]):
+            return group, done, end
         try:
             committed = decoder.prefill([r for r, _ in group], done, end)
         except Exception as e:  # noqa: BLE001 - only the group is involved
             self._chunked.popleft()
             self._rows.fail(decoder, group, "prefill", e)
-            return
+            return None
         entry[1] = end
         if committed is not None:
             self._chunked.popleft()
             self._rows.prefilled(decoder, group, committed)
+        return None

@@ -272,6 +272,7 @@ class AdapterBank:
         self.round_delta = True  # PEFT's mixed-batch numerics (see the module docstring)
         self._last_meta = None  # last LoRA metadata: its weight cache outlives draft passes
         self._memo_rows, self._memo = None, {}  # metadata per tokens_per_row for the current row_slots
+        self._ragged = (None, None, {})  # the last ragged pass's lens, row slots and metadata per tokens
         self.sync(check=check)
 
     def _structure(self):
@@ -335,6 +336,7 @@ class AdapterBank:
         # Metadata carries prepared copies of the stacks (torch path): they are stale now.
         self._last_meta = None
         self._memo_rows, self._memo = None, {}
+        self._ragged = (None, None, {})
         for packs in [layer.packs for layer in self.layers.values()] + [group.packs for group in self.groups]:
             packs.clear()
 
@@ -397,24 +399,32 @@ class AdapterBank:
         for group in self.groups:
             group.clear()
 
-    def meta_for(self, adapters, tokens: int):
+    def meta_for(self, adapters, tokens: int, lens=None):
         """Metadata for a layer input of ``tokens`` tokens (rows x tokens per row: the lm_head sees
-        fewer per row than the other layers). ``adapters``: the pass context's: the rows' slots
-        [B] (metadata built once per slot tensor and width: a decoding loop alternates a few
-        widths, and building reads counts back to the host, a device sync on CUDA), or
-        {tokens: LoraMeta} as given (compiled passes)."""
+        fewer per row than the other layers; a ragged pass's real tokens: ``lens[b]`` of row b).
+        ``adapters``: the pass context's: the rows' slots [B] (metadata built once per slot tensor
+        and width: a decoding loop alternates a few widths, and building reads counts back to the
+        host, a device sync on CUDA), or {tokens: LoraMeta} as given (compiled passes)."""
         if isinstance(adapters, dict):
             return adapters.get(tokens)
         if self._memo_rows is not adapters:
             self._memo_rows, self._memo = adapters, {}
-        meta = self._memo.get(tokens)
+        memo = self._memo
+        if lens is not None:  # a ragged pass's: kept for that pass only (its lens tensor)
+            if self._ragged[0] is not lens or self._ragged[1] is not adapters:
+                self._ragged = (lens, adapters, {})
+            memo = self._ragged[2]
+        meta = memo.get(tokens)
         if meta is None:
             rows = adapters.shape[0]
-            if tokens % rows:
+            if lens is not None:
+                slots = torch.as_tensor(adapters, device=self.device).repeat_interleave(lens.to(self.device))
+            elif tokens % rows:
                 raise ValueError(f"a LoRA layer got {tokens} tokens for {rows} rows: its input is not the batch's "
                                  "tokens (e.g. LoRA on MoE experts, which see routed tokens); not supported")
-            meta = self._memo[tokens] = kernels.make_meta(
-                self.token_slots(adapters, tokens // rows), len(self.adapter_names), previous=self._last_meta)
+            else:
+                slots = self.token_slots(adapters, tokens // rows)
+            meta = memo[tokens] = kernels.make_meta(slots, len(self.adapter_names), previous=self._last_meta)
         if not meta.no_lora:
             self._last_meta = meta
         return meta

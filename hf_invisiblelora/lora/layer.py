@@ -15,6 +15,7 @@ from peft.tuners.lora.layer import Embedding as LoraEmbedding
 from torch import nn
 
 from .. import kernels
+from ..model.context import real_tokens
 
 # The packed path (packed_delta) multiplies every token by every active adapter: it is used while
 # tokens x (active adapters - 1), the wasted rows, stay under this. Measured on SmolLM2 with its
@@ -39,15 +40,26 @@ def forward(bank, m, layer, x, *args, **kwargs):
     embedding = isinstance(m, LoraEmbedding)  # its input is token ids
     if layer is None and not embedding or p.drafter is not None or p.adapters is None or m.disable_adapters:
         return out  # no LoRA here: no adapter in this layer, a draft pass, or PEFT's adapters disabled
-    # Tokens in row order: row b's tokens are consecutive.
-    x2 = x.reshape(-1) if embedding else x.reshape(-1, x.shape[-1])
-    meta = bank.meta_for(p.adapters, x2.shape[0])
+    # Tokens in row order: row b's tokens are consecutive (a ragged pass: its real tokens only).
+    real = real_tokens(p, x)
+    x2 = x[real] if real is not None else x.reshape(-1) if embedding else x.reshape(-1, x.shape[-1])
+    meta = bank.meta_for(p.adapters, x2.shape[0], None if real is None else p.lens)
     if meta is None or meta.no_lora:
         return out
-    flat = out.view(-1, out.shape[-1])
+    if real is not None:  # the delta of the real tokens, then back in their places
+        flat = out[real]
+        _add_delta(bank, m, layer, x, x2, flat, meta, embedding)
+        out[real] = flat
+        return out
+    _add_delta(bank, m, layer, x, x2, out.view(-1, out.shape[-1]), meta, embedding)
+    return out
+
+
+def _add_delta(bank, m, layer, x, x2, flat, meta, embedding: bool) -> None:
+    """flat [T, out] (the base output of the tokens x2) += their LoRA terms (DoRA: PEFT's result)."""
     if embedding:
         embedding_delta(bank.adapter_names, m, x2, flat, meta)
-        return out
+        return
     x2 = x2 if x2.dtype == bank.dtype else x2.to(bank.dtype)
     dora = bool(layer.dora) and (meta.static or not layer.dora.isdisjoint(meta.active_slots))
     round_delta = bank.round_delta or layer.rounds
@@ -61,7 +73,6 @@ def forward(bank, m, layer, x, *args, **kwargs):
         bank.ops.lora_expand(delta, y, layer.B, meta, round_delta=round_delta)
     if dora:
         dora_result(layer, flat, delta, meta, bank.round_delta)
-    return out
 
 
 def shared(group, x, meta, compute):

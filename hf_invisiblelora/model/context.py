@@ -82,6 +82,23 @@ class PassContext:
             self.rows = None
 
 
+def real_tokens(context, x: torch.Tensor):
+    """The [b, q] mask of the real tokens when ``x`` holds a ragged pass's tokens per row ([b, q, ...]:
+    the pass context's ``real``), else None: in such a pass the linear layers compute the real
+    tokens only (``on_real``), so a chunk of one row's prompt next to others' single tokens costs
+    its tokens, not rows x the chunk's length."""
+    real = context.real
+    return real if real is not None and x.shape[: real.dim()] == real.shape else None
+
+
+def on_real(x: torch.Tensor, real: torch.Tensor, fn) -> torch.Tensor:
+    """Semantics: out[b, t] = fn(x[real])[i] for the i-th real token (b, t); 0 at padding."""
+    y = fn(x[real])
+    out = y.new_zeros(*real.shape, *y.shape[1:])
+    out[real] = y
+    return out
+
+
 def in_pass() -> bool:
     """Whether this thread is running one of our passes now."""
     return getattr(_THREAD, "context", None) is not None

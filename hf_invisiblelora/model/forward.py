@@ -64,12 +64,17 @@ def model_pass(model, cache: SharedCache, masks, position_ids, ids, keep: int):
     each row's last ``keep`` (real) tokens."""
     p = cache.context
     p.prepare_writes(cache.capacity)
-    out = model(input_ids=ids, attention_mask=masks, position_ids=position_ids, cache=cache, use_cache=True,
-                logits_to_keep=keep if p.lens is None else 0)
     if p.lens is None:
-        return out.logits
+        return model(input_ids=ids, attention_mask=masks, position_ids=position_ids, cache=cache, use_cache=True,
+                     logits_to_keep=keep).logits
+    # A ragged pass: each row's last ``keep`` real positions. The head runs at the positions some row
+    # keeps (Transformers' logits_to_keep as indices), not at every row's every position.
     at = (p.lens[:, None] - keep + torch.arange(keep, device=ids.device)).clamp(min=0)
-    return out.logits.gather(1, at[:, :, None].expand(-1, -1, out.logits.shape[-1]))
+    kept = at.unique()
+    logits = model(input_ids=ids, attention_mask=masks, position_ids=position_ids, cache=cache, use_cache=True,
+                   logits_to_keep=kept).logits
+    index = torch.searchsorted(kept, at)
+    return logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1]))
 
 
 class EagerForward:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..kernels import packed_linear
+from .context import on_real, real_tokens
 from .derived import DerivedCopies, SourceCheck
 from .quantized import plain
 from .routing import ALL
@@ -96,14 +97,17 @@ class PackedLinears:
     def installed(self, context):
         """Route the layers to their copies in every one of ``context``'s passes (routing.py; a
         drafter's own layers take their place in its passes); restore on exit."""
-        with context.router.routing({m: (ALL, self._route(m, packed)) for m, packed in self.copies.items()}):
+        with context.router.routing({m: (ALL, self._route(m, packed, context)) for m, packed in self.copies.items()}):
             yield self
 
     @staticmethod
-    def _route(m, packed):
+    def _route(m, packed, context):
         def route(original, x, *args, **kwargs):
             # Compiled passes trace the layer as it is (Inductor packs weights its own way).
             if not args and not kwargs and x.dtype == torch.float32 and not torch.compiler.is_compiling():
+                real = real_tokens(context, x)  # a ragged pass: the real tokens only
+                if real is not None:
+                    return on_real(x, real, lambda t: packed_linear.linear(t, packed, m.bias))
                 return packed_linear.linear(x, packed, m.bias)
             return original(x, *args, **kwargs)
         return route
