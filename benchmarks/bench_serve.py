@@ -185,12 +185,13 @@ def run_static(model, tok, jobs: list[Job], args, invisible: bool, eos: set[int]
 
 
 class TimedEngine(Engine):
-    """The engine with where its thread's time went: prefill passes (whole or chunks) and cycles, the
-    rows each cycle's passes ran (rows 0..last active) and how many of them were active."""
+    """The engine with where its thread's time went: prefill passes of their own (whole or chunks) and
+    cycles (with the prompt slots that rode in their verify passes: ``folded_cycles``), the rows each
+    cycle's passes ran (rows 0..last active) and how many of them were active."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.split = dict(prefill_s=0.0, decode_s=0.0, prompt_slots=0, row_steps=0, active_row_steps=0)
+        self.split = dict(prefill_s=0.0, decode_s=0.0, prompt_slots=0, row_steps=0, active_row_steps=0, folded_cycles=0)
 
     def _timed(self, key, fn, *args):
         t = time.perf_counter()
@@ -205,13 +206,14 @@ class TimedEngine(Engine):
         self.split["prompt_slots"] += len(group) * width
         return self._timed("prefill_s", super()._prefill, decoder, group)
 
-    def _next_chunk(self, decoder):
-        return self._timed("prefill_s", super()._next_chunk, decoder)
+    def _next_chunk(self, decoder, fold):
+        return self._timed("prefill_s", super()._next_chunk, decoder, fold)
 
-    def _cycle(self, decoder):
+    def _cycle(self, decoder, joining=None):
         self.split["row_steps"] += decoder.batch.hi
         self.split["active_row_steps"] += len(decoder.batch.active)
-        return self._timed("decode_s", super()._cycle, decoder)
+        self.split["folded_cycles"] += joining is not None  # cycles whose verify pass also ran prompt slots
+        return self._timed("decode_s", super()._cycle, decoder, joining)
 
 
 def run_engine(model, jobs: list[Job], args, chunked: bool = True) -> dict:
@@ -318,14 +320,16 @@ def split_table(results) -> str:
     """Where each run's time went: prefill passes and decoding, the prompt slots prefilled (rows x
     padded width, summed over passes) and the rows decoded: a static batch's rows x its new-token
     positions (a row past its EOS or max_tokens still fills them), the engine's rows each cycle's
-    passes ran (0..last active) x cycles, with the active ones among them; against the useful tokens."""
+    passes ran (0..last active) x cycles, with the active ones among them and the cycles whose verify
+    pass also ran prompt slots (a join's prefill, in "decode s" then); against the useful tokens."""
     lines = ["| req/s | mode | prefill s | decode s | prompt slots prefilled | static: rows x positions; engine: "
              "rows x cycles (active) | useful tokens |",
              "|---|---|---|---|---|---|---|"]
     for run in results["runs"]:
         for mode, s in run["modes"].items():
             p = s["split"]
-            active = f" ({p['active_row_steps']})" if "active_row_steps" in p else ""
+            active = f" ({p['active_row_steps']}; {p['folded_cycles']} cycles with prompt slots)" \
+                if "active_row_steps" in p else ""
             lines.append(f"| {run['rate']:g} | {mode} | {p['prefill_s']:.1f} | {p['decode_s']:.1f} | {p['prompt_slots']} | "
                          f"{p['row_steps']}{active} | {s['tokens']} |")
     return "\n".join(lines)
