@@ -209,7 +209,7 @@ def decode(call: Call, inner, input_ids, logits_processor, stopping_criteria, ge
     vocab = draft_vocab if draft_vocab is None or not isinstance(draft_vocab, int) else \
         drafter_vocabulary(state, draft_vocab, input_ids, vocab_size)
     drafters = make_drafters(model, state, draft_dtypes, vocab, size=draft_vocab if isinstance(draft_vocab, int) else None,
-                             prompt_lookup=call.prompt_lookup)
+                             prompt_lookup=call.prompt_lookup, drafting=call.gate != "never")
     length = None
     if call.warm_only and state.buckets:  # a bucket warm_up (or compile=True) built, whose passes this call can take
         length = warmed(state.buckets, get_bank(model, adapters=()), input_ids.device, inner.dtype, b, width, rows,

@@ -182,6 +182,24 @@ def test_auto_draft_dtypes():
     assert {"s", ("s", "/torch.int8"), ("s", "/torch.int4")} <= set(state_of(model).gate.trials)  # each drafted
 
 
+def test_gate_never_makes_no_draft_copies():
+    """gate="never" runs no draft pass: no int8 / int4 copy of the weights is made for it (generate()
+    and the engine); the default gate makes them."""
+    from hf_invisiblelora.engine import Engine, Request
+
+    model = tiny_peft("llama", strength=0.6)
+    ids, mask = prompts(LENGTHS)
+    greedy(model, ids, mask, invisible_lora=True, gate="never")
+    engine = Engine(model, max_batch=2, max_len=32, gate="never").start()
+    try:
+        engine.submit(Request(ids[0, -3:].tolist(), adapter="s", max_tokens=3)).result(60)
+    finally:
+        engine.stop()
+    assert not state_of(model).drafter.get("weights")
+    greedy(model, ids, mask, invisible_lora=True)
+    assert len(state_of(model).drafter["weights"]) > 0
+
+
 def _lookup_reference(row: list[int], k: int, longest: int = 3, shortest: int = 1) -> tuple[int, list[int]]:
     """drafters.match and lookup's semantics for one row, written plainly: (n matched, proposals)."""
     for n in range(longest, shortest - 1, -1):

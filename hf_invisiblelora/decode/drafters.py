@@ -414,10 +414,14 @@ class PromptLookupDrafter:
         """Nothing to learn: its proposals are read from the rows' tokens."""
 
 
-def make_drafters(model, state, dtypes: tuple, vocab=None, size: int | None = None, prompt_lookup: bool = True) -> list:
+def make_drafters(model, state, dtypes: tuple, vocab=None, size: int | None = None, prompt_lookup: bool = True,
+                  drafting: bool = True) -> list:
     """The drafters the gate chooses among: one ``BaseModelDrafter`` per draft dtype (``check_dtype``'s
     choices), all with the head on ``vocab`` (token ids, or None), and a ``PromptLookupDrafter``
-    unless ``prompt_lookup`` is off."""
+    unless ``prompt_lookup`` is off. Not ``drafting`` (gate="never"): the base model as it is alone,
+    whose passes never run, so that no draft copy is made for nothing."""
+    if not drafting:
+        return [BaseModelDrafter(model, state)]
     vocab = None if vocab is None else torch.as_tensor(vocab)
     drafters = [BaseModelDrafter(model, state, vocab, d, size=size) for d in dtypes]
     return drafters + [PromptLookupDrafter()] if prompt_lookup else drafters

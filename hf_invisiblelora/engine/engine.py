@@ -320,7 +320,7 @@ class Engine:
     def _session(self) -> Session:
         """The decoder's assembly (session.py): every row its own request (RequestPolicy) and adapter."""
         drafters = make_drafters(self.model, self.state, self.draft_dtypes, *self.draft_vocab,
-                                 prompt_lookup=self.prompt_lookup)
+                                 prompt_lookup=self.prompt_lookup, drafting=self.gate_mode != "never")
         return Session(self.model, self.state, self._policy, capacity=self.max_batch, width=self.max_len, mixed=True,
                        lora_backend=lora_backend(self.model, self.model.peft_config), gate=self.gate_mode,
                        num_draft_tokens=self.num_draft_tokens, drafters=drafters, prepack=self.prepack,
