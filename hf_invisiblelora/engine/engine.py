@@ -14,12 +14,14 @@ Each cycle the engine admits waiting requests into free rows (in prefill groups 
 left-padded to the group's longest, leave every row room for its budget and the drafts), then
 runs one decoder cycle (decoder.py: the gate's drafts, one verify pass over every active row,
 acceptance) and hands each request its committed tokens. While rows decode, a joining group's
-prompt rides in the cycle's verify pass (a ragged pass: each row its own tokens, the linear layers
-computing the real ones only), in chunks of at most ``prefill_chunk`` tokens, one chunk a cycle (as
-vLLM's and SGLang's chunked prefill mixes prompt and decode tokens in a step): a join costs no pass
-of its own, and rows that decode never wait for a whole long prompt; the group's rows decode from
-the cycle after their last chunk. With no row decoding (or for requests that want their prompt's
-log-probabilities), a group is prefilled in passes of its own. A
+short prompt rides in the cycle's verify pass (a ragged pass: each row its own tokens, the linear
+layers computing the real ones only; as vLLM's and SGLang's chunked prefill mixes prompt and decode
+tokens in a step), so that its join costs no pass of its own, where the pass stays small enough for
+that to pay (``FOLD_SLOTS``); otherwise in passes of its own. A prompt of more than
+``prefill_chunk`` tokens goes in chunks of at most that many, one chunk a cycle (each folded or not
+by the same rule), so that rows that decode never wait for a whole long prompt. The group's rows
+decode from the cycle after their last chunk. With no row decoding (or for requests that want
+their prompt's log-probabilities), a group is prefilled in passes of its own. A
 request's output does not depend on what else shares the batch: greedy output equals standalone
 ``generate()`` of its prompt with its adapter, and sampling with a seed gives the same tokens
 whatever the batch (policies.RequestPolicy). An unexpected exception in a prefill, a cycle or a
@@ -79,10 +81,13 @@ __all__ = ["Engine", "PREFILL_CHUNK", "Request", "Handle", "Status", "MAX_LOGPRO
 
 
 PREFILL_CHUNK = 512  # Engine(prefill_chunk=): prompt tokens per prefill pass (--prefill-chunk)
-# The most prompt slots per row a chunk that rides in a cycle's verify pass may have: the pass is
-# rectangular outside the linear layers, so its attention runs every row over the chunk's width
-# (rows x width queries); a wider chunk takes a pass of its own.
-FOLD_SLOTS = 64
+# The most query positions (rows of the pass x the chunk's width) of a verify pass that a joining
+# prompt's chunk rides in: the pass is rectangular outside the linear layers (its norms, activations
+# and attention run every row over the chunk's width), which costs more than the pass of its own it
+# saves once the rectangle is large. Measured on SmolLM2 on a 2-core CPU (docs/benchmarks.md, "One
+# pass per engine cycle"): 8 rows x 8-16 slots, 4 x 16 and 2 x 32 folded 3-12% cheaper than a
+# cycle plus a prefill of its own, 8 x 48 22% dearer. A larger chunk takes a pass of its own.
+FOLD_SLOTS = 128
 
 
 class QueueFull(RuntimeError):
@@ -485,7 +490,7 @@ class Engine:
                 decoder.set_stops(r, stops)
                 self._policy.set_request(r, h.request, stops)
             # While rows decode, a short prompt rides in a cycle's verify pass (_next_chunk), as the chunks do.
-            folded = bool(decoder.batch.active) and width <= FOLD_SLOTS and not self._policy.wants_prompt([r for r, _ in group])
+            folded = self._folds(decoder, group, width)
             chunked = decoder.chunkable and (folded or self.prefill_chunk is not None and len(group) * width > self.prefill_chunk)
             # max_tokens 0 (the prompt's log-probabilities only): decoded as 1, nothing delivered (Rows.deliver)
             committed = decoder.admit([r for r, _ in group], ids, mask, prompt_positions(mask, ids),
@@ -499,11 +504,20 @@ class Engine:
             return
         self._rows.prefilled(decoder, group, committed)
 
+    def _folds(self, decoder: Decoder, group: list, width: int) -> bool:
+        """Whether a chunk of ``width`` prompt slots of ``group`` rides in the next cycle's verify pass:
+        rows decode, the pass (rows 0 .. the last of the group's or the decoding ones) times the width
+        is within FOLD_SLOTS, and the requests want no prompt log-probabilities (which a pass of their
+        own computes)."""
+        rows = [r for r, _ in group]
+        span = max(decoder.batch.hi, max(rows) + 1)
+        return bool(decoder.batch.active) and span * width <= FOLD_SLOTS and not self._policy.wants_prompt(rows)
+
     def _next_chunk(self, decoder: Decoder, fold: bool):
         """The next chunk of the oldest group being prefilled in chunks (its requests still in their
         rows: cancelled ones are gone): (group, start, end) for the cycle's verify pass if ``fold``
-        (and its requests want no prompt log-probabilities, which a pass of their own computes), else
-        run in a pass of its own, None returned; its last chunk delivers the rows' first tokens."""
+        and it fits there (``_folds``), else run in a pass of its own, None returned; its last chunk
+        delivers the rows' first tokens."""
         entry = self._chunked[0]
         group, done = entry
         group = entry[0] = [(r, h) for r, h in group if self._rows.handles[r] is h]
@@ -512,7 +526,7 @@ class Engine:
             return None
         budget = self.prefill_chunk or decoder.batch.plen_h[group[0][0]] * len(group)
         end = min(done + max(budget // len(group), 1), decoder.batch.plen_h[group[0][0]])
-        if fold and end - done <= FOLD_SLOTS and not self._policy.wants_prompt([r for r, _ in group]):
+        if fold and self._folds(decoder, group, end - done):
             return group, done, end
         try:
             committed = decoder.prefill([r for r, _ in group], done, end)
