@@ -85,6 +85,12 @@ CONFIGS = {
                       draft_dtype=torch.int8, prompt_lookup=False),
     "gate_int4": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus",
                       draft_dtype=torch.int4, prompt_lookup=False),
+    # The int4 drafter alone (full head) at a fixed k: what the cheapest draft pass gives where the gate
+    # would not draft.
+    "int4_k1": dict(invisible_lora=True, gate="always", num_draft_tokens=1, compile=False, draft_dtype=torch.int4,
+                    prompt_lookup=False),
+    "int4_k2": dict(invisible_lora=True, gate="always", num_draft_tokens=2, compile=False, draft_dtype=torch.int4,
+                    prompt_lookup=False),
     # The gate choosing the drafter per cycle among the corpus-vocabulary head in float32, int8 and int4.
     "gate_choice": dict(invisible_lora=True, gate="auto", num_draft_tokens=4, compile=False, draft_vocab="corpus",
                         draft_dtype=(None, torch.int8, torch.int4), prompt_lookup=False),
@@ -190,6 +196,22 @@ def measure(model, rows, enc, configs, new_tokens, repeats, sampling, checkpoint
         check_tokens(model, rows, enc, new_tokens, last, res)
         checkpoint(res)
     return res
+
+
+def gate_costs(model, rows: int, adapters: int) -> dict:
+    """The eager pass costs the gate measured for ``rows`` rows (gate.py: the fastest of the last 8
+    timings of a whole cycle's part), ms: "draft<drafter key>" per draft token, "verify q" for a
+    verify pass of q tokens a row over ``adapters`` distinct adapters (accept and commit included)."""
+    from hf_invisiblelora.model.state import state_of
+
+    memory = state_of(model).gate
+    out = {}
+    for key, seconds in sorted((memory.costs if memory else {}).items(), key=str):
+        if key[0] == "draft" and key[1][0] == rows and key[1][1].startswith("eager"):
+            out["draft" + key[1][1][len("eager"):]] = 1000 * seconds
+        elif key[0] == "verify" and key[1] == (rows, adapters, "eager"):
+            out[f"verify {key[2]}"] = 1000 * seconds
+    return out
 
 
 def summarize(configs, rates, first, last, errors, prompt_len, eos):
@@ -421,8 +443,13 @@ def main(argv=None):
                     (out / "decoding.json").write_text(json.dumps(results, indent=1))
 
                 measure(model, rows, enc, configs, args.new_tokens, args.repeats, sampling, checkpoint)
+                point["gate_costs_ms"] = gate_costs(model, b, a)
+                checkpoint(point["configs"])
                 print(f"{'sampling' if sampling else 'greedy'}, batch {b}, {a} adapters: "
                       + ", ".join(f"{c} {cell(v)}" for c, v in point["configs"].items()), flush=True)
+                if point["gate_costs_ms"]:
+                    print("  the gate's pass costs (ms; the fastest of the last 8): " + ", ".join(
+                        f"{k} {v:.1f}" for k, v in point["gate_costs_ms"].items()), flush=True)
     if not args.no_extras:
         drafters = {"full": {}, "vocab": dict(draft_vocab=CONFIGS["gate_vocab"]["draft_vocab"]),
                     "bf16": dict(draft_dtype=torch.bfloat16), "int8": dict(draft_dtype=torch.int8),

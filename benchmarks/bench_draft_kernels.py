@@ -6,6 +6,9 @@ format, against fp32 ``F.linear``:
 - int8: weight-only int8 with per-channel scales (``torch._weight_int8pack_mm``, bf16 activations);
 - int4: weight-only int4 in groups of 32 (``torch._weight_int4pack_mm_for_cpu``, bf16 activations).
 
+Also "int4 fused": int4 with the layers that read one input fused into one kernel each (q, k, v;
+gate, up), 4 matmuls a layer instead of 7: what a drafter that fused them would save.
+
 Kernels differ by CPU (AVX2 only, AVX-512, AMX): measure on the machine at hand. Each repeat runs
 every format once, in turn; medians of repeats; the ratio is to fp32 in the same repeat.
 
@@ -30,6 +33,8 @@ HIDDEN, INTERMEDIATE, KV, LAYERS, VOCAB = (SMOLLM2_DIMS[k] for k in ("hidden", "
 # (out, in) of one decoder layer's linear layers, then the head.
 LAYER = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
          (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+# The same layer with the matmuls that read one input fused: q|k|v, o, gate|up, down.
+FUSED = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
 GROUP = 32  # int4 quantization group
 
 
@@ -69,7 +74,8 @@ def main() -> None:
     args = p.parse_args()
     g = torch.Generator().manual_seed(0)
     shapes = LAYER * LAYERS + [(VOCAB, HIDDEN)]
-    weights = {shape: torch.randn(*shape, generator=g) * 0.02 for shape in set(shapes)}
+    fused = FUSED * LAYERS + [(VOCAB, HIDDEN)]
+    weights = {shape: torch.randn(*shape, generator=g) * 0.02 for shape in set(shapes) | set(fused)}
     fns = {shape: formats(w) for shape, w in weights.items()}
     errors = {name: max(check(fns[s], weights[s])[name] for s in weights) for name in fns[shapes[0]]}
     result = dict(machine=machine(), threads=torch.get_num_threads(), errors=errors, rows={})
@@ -78,12 +84,13 @@ def main() -> None:
     for m in args.rows:
         x = torch.randn(m, HIDDEN, generator=g)
         xi = torch.randn(m, INTERMEDIATE, generator=g)
-        names = list(fns[shapes[0]])
+        names = list(fns[shapes[0]]) + ["int4 fused"]
         seconds = {name: [] for name in names}
         for _ in range(args.repeats + 1):  # the first round warms up
             for name in names:
+                kind, layers = ("int4", fused) if name == "int4 fused" else (name, shapes)
                 with torch.no_grad():
-                    t, _ = timed(lambda: [fns[s][name](xi if s[1] == INTERMEDIATE else x) for s in shapes], 1)
+                    t, _ = timed(lambda: [fns[s][kind](xi if s[1] == INTERMEDIATE else x) for s in layers], 1)
                 seconds[name].append(t)
         seconds = {k: v[1:] for k, v in seconds.items()}
         row = {name: dict(ms=statistics.median(v) * 1e3,

@@ -1,6 +1,8 @@
-"""First-call latency of compiled passes: a new process's first generate() call, cold and warm.
+"""First-call latency: a new process's first generate() call, with the defaults and with compiled passes.
 
 Each measurement is a fresh Python process (what a user's script or a restarted server is):
+  default     every option at its default (gate="auto", compile="auto": eager on the CPU; the first
+              call also makes the drafters' int8 / int4 copies of the weights);
   eager       compile=False: the first call and a second one (the reference);
   cold        compile=True with an empty Inductor cache folder: the first call compiles every pass;
   warm        compile=True again in a new process on the cache the cold run left (Inductor's on-disk
@@ -58,14 +60,17 @@ def main(argv=None):
     p.add_argument("--gate", default="never")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--adapter", default="shakespeare")
+    p.add_argument("--no-compiled", action="store_true", help="leave out the compiled ways (cold, warm)")
     p.add_argument("--out", default="benchmarks/results/first_call.json")
     args = p.parse_args(argv)
     fill = dict(threads=args.threads, adapter=args.adapter, batch=args.batch, new=args.new_tokens, gate=args.gate)
     results = {}
     with tempfile.TemporaryDirectory() as cache:
+        results["default"] = run(CHILD.format(compile='"auto"', **{**fill, "gate": "auto"}), cache)
         results["eager"] = run(CHILD.format(compile=False, **fill), cache)
-        results["cold"] = run(CHILD.format(compile=True, **fill), cache)
-        results["warm"] = run(CHILD.format(compile=True, **fill), cache)
+        if not args.no_compiled:
+            results["cold"] = run(CHILD.format(compile=True, **fill), cache)
+            results["warm"] = run(CHILD.format(compile=True, **fill), cache)
     print(f"CPU {machine()}; batch {args.batch}, {args.new_tokens} new tokens, gate={args.gate}, {args.threads} threads; seconds")
     print("| way | model load | first call | second call |")
     print("|---|---|---|---|")

@@ -13,7 +13,9 @@ One decode step of every row against a 64-token cache, on a real model with its 
 - lm_head alone: the output projection of the rows' last hidden states;
 - with --compiled: the draft pass, LoRA-on step and verify of 3 tokens again as ``compile=True``
   runs them (CompiledForward, inductor: rows and cache length padded to their buckets; compiled
-  in the untimed warm-up round, the compile time printed);
+  in the untimed warm-up round, the compile time printed), and the int4 drafter's pass eager and
+  compiled (a draft pass need not be exact, so only its cost counts); TORCHINDUCTOR_FREEZING=1 in
+  the environment compiles them with Inductor's weight freezing;
 - with --copied-kv: our draft and LoRA-on passes (and compiled ones with --compiled) again with
   the key/value heads copied per query head as Transformers does (repeat_kv) instead of read in
   place (layout._use_gqa, inside our passes): the A/B of that choice, in the same interleaved rounds;
@@ -69,7 +71,7 @@ class Setup:
     check is the model state's."""
 
     def __init__(self, model, names, batch, vocab, draft_vocab, compiled=False, prepack=False,
-                 draft_dtypes=(torch.bfloat16,)):
+                 draft_dtypes=(torch.bfloat16,), compiled_drafters=()):
         self.model, self.inner = model, model.get_base_model()
         self.rows = [names[i % len(names)] for i in range(batch)]
         g = torch.Generator().manual_seed(batch)
@@ -88,6 +90,8 @@ class Setup:
             self.sessions[False, name] = self._session(state, batch, prepack, None, drafter)
         if compiled:
             self.sessions[True, None] = self._session(state, batch, False, "inductor", self.drafter)
+        for name in compiled_drafters:  # a cheaper drafter's pass compiled too
+            self.sessions[True, name] = self._session(state, batch, False, "inductor", self.drafters[name])
         self.stock_cache = self._stock_prefill(adapters=True)
         self.base_cache = self._stock_prefill(adapters=False)
         self.hidden = torch.randn(batch, 1, self.inner.config.get_text_config().hidden_size)
@@ -166,7 +170,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--draft-vocab", type=int, default=8192)
-    p.add_argument("--compiled", action="store_true", help="also time the compiled passes (compile=True)")
+    p.add_argument("--compiled", action="store_true", help="also time the compiled passes (compile=True), and the "
+                   "int4 drafter's pass eager and compiled (TORCHINDUCTOR_FREEZING=1: Inductor's weight freezing)")
     p.add_argument("--copied-kv", action="store_true", help="also time our passes with repeat_kv copies (A/B)")
     p.add_argument("--prepack", action="store_true", help="our eager passes on prepacked linear layers (prepack.py)")
     p.add_argument("--out", default="benchmarks/results/step.json")
@@ -179,17 +184,19 @@ def main(argv=None):
     results = []
     print(f"{args.model}: {len(names)} adapters; eager passes {'prepacked' if args.prepack else 'on F.linear'}; CPU {machine()}, "
           f"{torch.get_num_threads()} threads; ms per step, medians of {args.repeats}")
-    compiled = ["draft_c", "lora_c", "verify3_c"] if args.compiled else []
+    compiled = ["draft_c", "lora_c", "verify3_c", "draft_int4_c"] if args.compiled else []
     print("| batch | adapters | base step | draft pass | draft, vocab | draft, bf16 | LoRA-on step (x base) | "
           "bound (x base) | LoRA-on / bound | stock PEFT step | verify 3 tokens | lm_head |"
-          + (" compiled: draft / LoRA-on / verify 3 (x eager) | compile s |" if compiled else ""))
+          + (" compiled: draft / LoRA-on / verify 3 / int4 draft (x eager) | compile s |" if compiled else ""))
     print("|---" * (12 + 2 * bool(compiled)) + "|")
     for batch in args.batches:
         for a in args.adapters:
             if a > batch or a > len(names):
                 continue
             with state_of(model).hold():
-                s = Setup(model, names[:a], batch, vocab, draft_vocab, args.compiled, args.prepack)
+                s = Setup(model, names[:a], batch, vocab, draft_vocab, args.compiled, args.prepack,
+                          draft_dtypes=(torch.bfloat16, torch.int4) if compiled else (torch.bfloat16,),
+                          compiled_drafters=("draft_int4",) if compiled else ())
                 active = set(s.rows)
                 bound = (weights + sum(adapter_bytes(model, n) for n in active)) / weights
                 ours, off, plain = s.installed(), model.disable_adapter, contextlib.nullcontext
@@ -199,6 +206,9 @@ def main(argv=None):
                          "draft_vocab": s.drafted("draft_vocab"), "draft_bf16": s.drafted("draft_bf16")}
                 for name, (lora_on, q) in zip(compiled, [(False, 1), (True, 1), (True, 3)]):
                     steps[name] = (s.installed(compiled=True), s.ours(lora_on, q, compiled=True))
+                if compiled:
+                    steps["draft_int4"] = s.drafted("draft_int4")
+                    steps["draft_int4_c"] = (s.installed(True, "draft_int4"), s.ours(False, 1, True, "draft_int4"))
                 ab = [k for k in ("draft", "lora", *compiled[:2]) if args.copied_kv]
                 for name in ab:
                     steps[name + "_copied"] = (copied_kv(steps[name][0]), steps[name][1])
@@ -207,7 +217,7 @@ def main(argv=None):
             if compiled:
                 r["compile_s"] = {k: first[k] - t[k] for k in compiled}
             results.append(r)
-            extra = " {:.1f} ({:.2f}x) / {:.1f} ({:.2f}x) / {:.1f} ({:.2f}x) | {} |".format(
+            extra = " {:.1f} ({:.2f}x) / {:.1f} ({:.2f}x) / {:.1f} ({:.2f}x) / {:.1f} ({:.2f}x) | {} |".format(
                 *(v for k in compiled for v in (r[k], r[k] / r[k[:-2]])),
                 " / ".join(f"{v:.0f}" for v in r["compile_s"].values())) if compiled else ""
             print(f"| {batch} | {a} | {r['base']:.1f} | {r['draft']:.1f} | {r['draft_vocab']:.1f} | {r['draft_bf16']:.1f} | "
