@@ -313,9 +313,9 @@ class BaseModelDrafter:
         return forward
 
 
-# Prompt lookup matches the row's last 3, then 2, then 1 tokens. Simulated on SmolLM2's greedy
-# continuations of the zoo's held-out prompts (8 domains): a shortest n-gram of 1 committed 1.31-1.65
-# tokens per cycle at k = 1-4, of 2 only 1.25-1.50 (docs/benchmarks.md, "Prompt lookup").
+# Prompt lookup matches the row's last 3, then 2, then 1 tokens. On SmolLM2's greedy continuations
+# of the zoo's held-out prompts (benchmarks/bench_lookup.py; docs/benchmarks.md, "Prompt lookup"),
+# allowing 1-token matches gave more tokens per cycle and row than requiring 2 or 3 at every k.
 LOOKUP_NGRAMS = (3, 1)
 
 
@@ -380,9 +380,9 @@ class PromptLookupDrafter:
     step (small batches on a CPU, any batch on a GPU) pays from a low acceptance on: where text
     repeats its prompt or itself (code, quotes, lists, names, the loops of small models).
 
-    How often a proposal is right depends on how long a match it continues: simulated on SmolLM2's
-    greedy continuations of the zoo's held-out prompts, a draft after a 3-token match was kept 87%
-    of the time, after 2 tokens 67%, after 1 46% (docs/benchmarks.md). So each cycle's ``plan``
+    How often a proposal is right depends on how long a match it continues: on SmolLM2's greedy
+    continuations of the zoo's held-out prompts, a draft after a 3-token match was kept about 80%
+    of the time, after 2 tokens about 65%, after 1 30-45% (docs/benchmarks.md, "Prompt lookup"). So each cycle's ``plan``
     labels every row with its match length, the gate learns acceptance per label and judges a row
     without a match as one that commits a single token, and drafts with it only where that pays.
 

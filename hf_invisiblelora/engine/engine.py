@@ -84,9 +84,10 @@ PREFILL_CHUNK = 512  # Engine(prefill_chunk=): prompt tokens per prefill pass (-
 # The most query positions (rows of the pass x the chunk's width) of a verify pass that a joining
 # prompt's chunk rides in: the pass is rectangular outside the linear layers (its norms, activations
 # and attention run every row over the chunk's width), which costs more than the pass of its own it
-# saves once the rectangle is large. Measured on SmolLM2 on a 2-core CPU (docs/benchmarks.md, "One
-# pass per engine cycle"): 8 rows x 8-16 slots, 4 x 16 and 2 x 32 folded 3-12% cheaper than a
-# cycle plus a prefill of its own, 8 x 48 22% dearer. A larger chunk takes a pass of its own.
+# saves once the rectangle is large. Measured on SmolLM2 on a 2-core CPU (benchmarks/bench_fold.py;
+# docs/benchmarks.md, "One pass per engine cycle"): 8 rows x 4-16 slots, 4 x 16 and 2 x 8-32 folded
+# 1-29% cheaper than a cycle plus a prefill of its own, 8 x 48 40% dearer. A larger chunk takes a
+# pass of its own.
 FOLD_SLOTS = 128
 
 
