@@ -563,7 +563,9 @@ def test_prompts_ride_in_the_cycles_verify_passes(model, monkeypatch, fold):
     # The long prompt first: its row (0) waits for its chunks below a row that decodes (1).
     jobs = [(random_prompt(g, 37), "b", 6), (random_prompt(g, 3), "s", 56)] + \
         [(random_prompt(g, n), a, 6) for n, a in ((20, "__base__"), (29, "c"), (5, "d"))]
-    engine = Engine(model, max_batch=3, max_len=64, num_draft_tokens=2, gate="always", prefill_chunk=8).start()
+    # Prefix caching off: the same prompt again is the control of a whole prefill, not a cache hit.
+    engine = Engine(model, max_batch=3, max_len=64, num_draft_tokens=2, gate="always", prefill_chunk=8,
+                    prefix_caching=False).start()
     try:
         with engine._wake:  # queued together
             handles = [engine.submit(Request(p, adapter=a, max_tokens=m, temperature=0)) for p, a, m in jobs]

@@ -56,10 +56,16 @@ def app(files, tmp_path_factory):
 def test_the_keys_are_the_servers_options():
     """``key=value`` pairs (or a config's lists) become the server's command line; Ray's own keys
     are left out; what cannot hold under Ray, and unknown keys, are refused up front."""
+    from hf_invisiblelora.serving import cli
+
     argv = server_argv({"model": "/m", "lora": "a=/x,b=/y", "draft_dtype": ["float32", "int8"], "max_batch": 4,
                         "num_replicas": "3", "lora_root": ["/r"]})
     assert argv == ["--model", "/m", "--lora", "a=/x", "--lora", "b=/y", "--draft-dtype", "float32", "int8",
                     "--max-batch", "4", "--lora-root", "/r"]
+    for value, flag in (("false", "--no-enable-prefix-caching"), (True, "--enable-prefix-caching")):  # --x / --no-x
+        assert server_argv({"model": "/m", "enable_prefix_caching": value}) == ["--model", "/m", flag]
+        assert cli.parse(server_argv({"model": "/m", "enable_prefix_caching": value})).enable_prefix_caching == \
+            (flag == "--enable-prefix-caching")
     for bad, word in (({"host": "0.0.0.0"}, "http_options"), ({"allow_runtime_lora_updating": "true"}, "one replica"),
                       ({"max_batchh": "4"}, "unknown key")):
         with pytest.raises(ValueError, match=word):

@@ -55,7 +55,7 @@ from ..decode.policies import RequestPolicy
 from ..decode.session import Session, lora_backend
 from ..lora.files import MAX_RANK
 from ..model.layout import prompt_positions
-from ..model.prepack import check_mode as check_prepack
+from ..model.prepack import available_bytes, check_mode as check_prepack
 from ..model.rotary import length_dependent
 from ..model.state import state_of
 from ..model.walk import BASE
@@ -70,6 +70,7 @@ from .adapter_pool import (
     check_name,
     return_freed_memory,
 )
+from .prefix_cache import BLOCK, PrefixCaching
 from .request import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, Handle, InvalidRequest, PromptTooLong, Request, Status, validate
 from .rows import Rows
 from .scheduling import left_padded, pick, prefill_groups
@@ -81,6 +82,8 @@ __all__ = ["Engine", "PREFILL_CHUNK", "Request", "Handle", "Status", "MAX_LOGPRO
 
 
 PREFILL_CHUNK = 512  # Engine(prefill_chunk=): prompt tokens per prefill pass (--prefill-chunk)
+# Engine(prefix_cache_bytes=) by default: 1 GiB, at most a quarter of the memory available at start.
+PREFIX_CACHE_BYTES = 1 << 30
 # The most query positions (rows of the pass x the chunk's width) of a verify pass that a joining
 # prompt's chunk rides in: the pass is rectangular outside the linear layers (its norms, activations
 # and attention run every row over the chunk's width), which costs more than the pass of its own it
@@ -114,7 +117,7 @@ class Engine:
                  max_cpu_loras: int | None = None, adapter_paths: dict | None = None, draft_vocab=None,
                  draft_dtype="auto", prompt_lookup: bool = True, prepack="auto",
                  prefill_chunk: int | None = PREFILL_CHUNK,
-                 max_lora_rank: int = MAX_RANK):
+                 max_lora_rank: int = MAX_RANK, prefix_caching: bool = True, prefix_cache_bytes: int | None = None):
         """``max_loras``, ``max_cpu_loras``: the bounds of the module docstring (None: none).
         ``adapter_paths``: {name: local PEFT adapter folder}, for adapters the model has loaded (so
         that they can be evicted and loaded again) and for others, loaded when a request names them.
@@ -125,7 +128,12 @@ class Engine:
         prompt tokens one pass takes (rows x tokens; None: every prompt in one): longer prompts are
         prefilled in chunks, one a cycle (the module docstring).
         ``max_lora_rank``: the largest rank an adapter loaded while serving may have (vLLM's
-        ``max_lora_rank``), checked before anything is allocated for it (files.py)."""
+        ``max_lora_rank``), checked before anything is allocated for it (files.py).
+        ``prefix_caching``: keep the keys and values of prompts' blocks and prefill a later prompt that
+        starts the same, under the same weights, from where they end (prefix_cache.py; vLLM's automatic
+        prefix caching), in at most ``prefix_cache_bytes`` (default PREFIX_CACHE_BYTES, at most a
+        quarter of the memory available); off by itself for models whose keys and values a prefix
+        cannot give exactly (windowed cache layers: logged at start)."""
         check_model(model)
         check_options(gate, num_draft_tokens, "bank", False, draft_vocab, prompt_lookup)  # generate()'s own checks of these
         check_prepack(prepack)
@@ -160,6 +168,10 @@ class Engine:
         self._state_lock = threading.Lock()  # metrics and adapter changes: read from other threads
         self.max_loras, self.max_cpu_loras = _bound("max_loras", max_loras), _bound("max_cpu_loras", max_cpu_loras)
         self.prefill_chunk = _bound("prefill_chunk", prefill_chunk)
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}.")
+        self.prefix_caching, self.prefix_cache_bytes = prefix_caching, _bound("prefix_cache_bytes", prefix_cache_bytes)
+        self._prefix = None  # prefix_cache.PrefixCaching while the engine's thread runs (None: off)
         self._chunked = collections.deque()  # [group, slots done]: prompts being prefilled in chunks
         # Changed on the engine's thread under _wake; submit() reads it under the same lock.
         self._pool = AdapterPool(model, self.max_cpu_loras, adapter_paths, _bound("max_lora_rank", max_lora_rank))
@@ -217,10 +229,14 @@ class Engine:
 
     def metrics_snapshot(self) -> dict:
         """A copy of ``metrics`` (the engine's thread updates it every cycle), with the adapter
-        pool's ``loads`` and ``evictions``."""
+        pool's ``loads`` and ``evictions`` and the prefix cache's prompt tokens looked up and found
+        (``prefix_queries``, ``prefix_hits``), blocks and bytes kept."""
+        p = self._prefix
         with self._state_lock:
             return {**{k: dict(v) if isinstance(v, dict) else v for k, v in self.metrics.items()},
-                    "loads": self._pool.loads, "evictions": self._pool.evictions}
+                    "loads": self._pool.loads, "evictions": self._pool.evictions,
+                    "prefix_queries": p.queries if p else 0, "prefix_hits": p.hits if p else 0,
+                    "prefix_blocks": len(p.cache) if p else 0, "prefix_bytes": p.cache.bytes if p else 0}
 
     def _count(self, **added) -> None:
         with self._state_lock:
@@ -338,11 +354,14 @@ class Engine:
             with self.state.hold(), torch.no_grad():
                 session = self._session()
                 self._decoder = session.decoder
+                self._prefix = self._prefix_caching(session)
                 while self._running:
                     with session.installed() as decoder:
                         needed = self._serve(decoder)
                     if self._run_commands() | self._reload(needed):
                         session.renew_lora(self.model, lora_backend(self.model, self.model.peft_config))
+                        if self._prefix is not None:
+                            self._prefix.renew(session.check)
                         return_freed_memory()
         except Exception as e:  # noqa: BLE001 - every request learns the engine failed
             logger.exception("hf_invisiblelora engine failed")
@@ -403,7 +422,7 @@ class Engine:
             self._chunked[0][1] = end
             if not decoder.waiting[group[0][0]]:  # its prompts are in: their first tokens too
                 self._chunked.popleft()
-                self._rows.prefilled(decoder, group, committed)
+                self._prefilled(decoder, group, committed)
                 return
         self._rows.deliver(decoder, committed)
 
@@ -469,41 +488,77 @@ class Engine:
         if not joining:
             return needed
         try:
+            cached, joining = ([], joining) if self._prefix is None else self._prefix.lookup(joining)
             groups = prefill_groups(joining, self.max_len - self.num_draft_tokens - 1)
         except Exception as e:  # noqa: BLE001 - the joining requests are involved
             self._rows.fail(decoder, joining, "admission", e)
             return needed
+        for pair, blocks in cached:  # each alone: its prompt's slots start where its cached blocks do
+            self._prefill(decoder, [pair], blocks)
         for group in groups:
             self._prefill(decoder, group)
         return needed
 
-    def _prefill(self, decoder: Decoder, group: list) -> None:
+    def _prefill(self, decoder: Decoder, group: list, blocks=()) -> None:
         """A group's prefill (Decoder.admit): in one pass, then delivery of their first tokens; or, when
         its prompt tokens are more than ``prefill_chunk``, its rows loaded and queued for their chunks
-        (``_next_chunk``). If it raises, the group's requests end with "error" and the engine serves
-        on (``Rows.fail``)."""
+        (``_next_chunk``). ``blocks``: a group of one whose prompt starts with these cached blocks
+        (``PrefixCaching.lookup``), written into its slots and not prefilled. If it raises, the group's
+        requests end with "error" and the engine serves on (``Rows.fail``)."""
         self._rows.take(group)
+        cached = len(blocks) * BLOCK
         try:
             ids, mask = left_padded([h.request.prompt for _, h in group], self.pad_id, self.inner.device)
-            width = ids.shape[1]
+            width = ids.shape[1] - cached
             for r, h in group:
                 stops = self.stop_ids(h.request.ignore_eos, h.request.stop_token_ids)
                 decoder.set_stops(r, stops)
                 self._policy.set_request(r, h.request, stops)
+                if self._prefix is not None:
+                    self._prefix.admitted(r)
             # While rows decode, a short prompt rides in a cycle's verify pass (_next_chunk), as the chunks do.
             folded = self._folds(decoder, group, width)
             chunked = decoder.chunkable and (folded or self.prefill_chunk is not None and len(group) * width > self.prefill_chunk)
+            if blocks:
+                decoder.fwd.cache.write(group[0][0], 0, blocks)
             # max_tokens 0 (the prompt's log-probabilities only): decoded as 1, nothing delivered (Rows.deliver)
             committed = decoder.admit([r for r, _ in group], ids, mask, prompt_positions(mask, ids),
                                  [max(h.request.max_tokens, 1) for _, h in group],
-                                 [h.request.adapter for _, h in group], upto=0 if chunked else None)
+                                 [h.request.adapter for _, h in group], upto=0 if chunked else None, cached=cached)
         except Exception as e:  # noqa: BLE001 - only the group is involved; the rows decoding go on
             self._rows.fail(decoder, group, "prefill", e)
             return
         if committed is None:
-            self._chunked.append([group, 0])
+            self._chunked.append([group, cached])
             return
+        self._prefilled(decoder, group, committed)
+
+    def _prefilled(self, decoder: Decoder, group: list, committed: list[int]) -> None:
+        """A group's prompts are in the cache: their blocks are kept (prefix caching; a failure there is
+        logged and costs only the blocks), their first tokens delivered."""
+        if self._prefix is not None:
+            try:
+                for r, h in group:  # the prompt's slots end where the group's (left-padded) width does
+                    self._prefix.keep(decoder.fwd.cache, r, h, decoder.batch.plen_h[r] - len(h.request.prompt))
+            except Exception:  # noqa: BLE001 - the blocks are an optimization; the requests go on
+                logger.exception("hf_invisiblelora engine: keeping prompt blocks failed")
         self._rows.prefilled(decoder, group, committed)
+
+    def _prefix_caching(self, session: Session) -> PrefixCaching | None:
+        """The engine's prefix caching, or None: off, or a model whose keys and values a cached prefix
+        cannot give exactly (said at start)."""
+        if not self.prefix_caching:
+            return None
+        if not session.decoder.chunkable:
+            logger.warning("hf_invisiblelora engine: prefix caching is off: the model has windowed cache layers "
+                           "(sliding-window attention), whose prompts are prefilled whole.")
+            return None
+        size = self.prefix_cache_bytes
+        if size is None:
+            room = available_bytes()
+            size = PREFIX_CACHE_BYTES if room is None else min(PREFIX_CACHE_BYTES, room // 4)
+        logger.info("hf_invisiblelora engine: prefix caching on, in at most %d MB", size >> 20)
+        return PrefixCaching(self.model, size, session.check)
 
     def _folds(self, decoder: Decoder, group: list, width: int) -> bool:
         """Whether a chunk of ``width`` prompt slots of ``group`` rides in the next cycle's verify pass:
@@ -538,5 +593,5 @@ class Engine:
         entry[1] = end
         if committed is not None:
             self._chunked.popleft()
-            self._rows.prefilled(decoder, group, committed)
+            self._prefilled(decoder, group, committed)
         return None

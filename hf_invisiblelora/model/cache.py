@@ -102,6 +102,22 @@ class SharedCache(Cache):
             layer.keys[:rows, :, :n] = given.keys
             layer.values[:rows, :, :n] = given.values
 
+    def read(self, row: int, start: int, n: int) -> tuple:
+        """Copies of slots [start, start + n) of ``row``: per layer that holds entries (keys, values)
+        [heads, n, head_dim] (a prompt block a prefix cache keeps, engine/prefix_cache.py)."""
+        return tuple((layer.keys[row, :, start : start + n].clone(), layer.values[row, :, start : start + n].clone())
+                     for layer in self.layers if layer.is_initialized)
+
+    def write(self, row: int, start: int, blocks: list) -> None:
+        """Slots of ``row`` from ``start`` on, block after block, from ``blocks`` (each what ``read``
+        gave)."""
+        for block in blocks:
+            n = block[0][0].shape[1]
+            for layer, (k, v) in zip([x for x in self.layers if x.is_initialized], block, strict=True):
+                layer.keys[row, :, start : start + n] = k
+                layer.values[row, :, start : start + n] = v
+            start += n
+
     def to_dynamic(self, config, length: int, rows: int, copy: bool, into: DynamicCache | None = None) -> DynamicCache:
         """The first ``length`` slots of the first ``rows`` rows as the DynamicCache standard
         generate() returns (views of this cache unless ``copy``: a kept cache is reused later).

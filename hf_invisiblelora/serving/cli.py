@@ -148,6 +148,13 @@ def parser() -> argparse.ArgumentParser:
                         "engine.PREFILL_CHUNK); "
                         "longer prompts are prefilled in chunks, one between two decoding cycles (0: every prompt "
                         "in one pass)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the keys and values of prompts' blocks and prefill a later prompt that starts the same "
+                        "(same adapter revision, same base weights) from where they end (vLLM's automatic prefix "
+                        "caching; default on; models with sliding-window attention run without it)")
+    p.add_argument("--prefix-cache-bytes", type=int,
+                   help="the most bytes of cached prompt blocks, least recently used evicted first (default: 1 GiB, "
+                        "at most a quarter of the memory available at start)")
     p.add_argument("--gate", default="auto", choices=("auto", "always", "never"))
     p.add_argument("--draft-dtype", nargs="+", default=["auto"],
                    choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
@@ -188,6 +195,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-body-bytes must be >= 1 and --shutdown-timeout >= 0")
     if any(v is not None and v < 1 for v in (args.max_loras, args.max_cpu_loras, args.max_lora_rank)):
         p.error("--max-loras, --max-cpu-loras and --max-lora-rank must be >= 1")
+    if args.prefix_cache_bytes is not None and args.prefix_cache_bytes < 1:
+        p.error("--prefix-cache-bytes must be >= 1")
     if args.prefill_chunk is not None and args.prefill_chunk < 0:
         p.error("--prefill-chunk must be >= 0 (0: whole prompts)")
     return args
@@ -234,7 +243,8 @@ def build_server(args: argparse.Namespace) -> Server | int:
                     draft_dtype=draft_dtypes(args.draft_dtype), prompt_lookup=args.prompt_lookup == "on",
                     prepack={"auto": "auto", "on": True, "off": False}[args.prepack],
                     prefill_chunk=PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk or None,
-                    max_lora_rank=args.max_lora_rank).start()
+                    max_lora_rank=args.max_lora_rank, prefix_caching=args.enable_prefix_caching,
+                    prefix_cache_bytes=args.prefix_cache_bytes).start()
     lora_roots = [os.path.realpath(root) for root in args.lora_root]
     return Server(engine, tokenizer, model_id, root, adapter_paths, api_key=args.api_key,
                   runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,

@@ -82,6 +82,10 @@ class Metrics:
                                   "Idle adapters unloaded to stay within --max-cpu-loras.", value=m.get("evictions", 0))
         yield GaugeMetricFamily("hf_invisiblelora_loaded_adapters", "Adapters loaded in the model now.",
                                 value=m.get("loaded_adapters", 0))
+        yield GaugeMetricFamily("hf_invisiblelora_prefix_cache_bytes", "Bytes of prompt blocks the prefix cache keeps.",
+                                value=m.get("prefix_bytes", 0))
+        yield GaugeMetricFamily("hf_invisiblelora_prefix_cache_blocks",
+                                "Prompt blocks (of 16 tokens) the prefix cache keeps.", value=m.get("prefix_blocks", 0))
         yield GaugeMetricFamily("hf_invisiblelora_queue_length", "Requests waiting for a row.",
                                 value=self.engine.queue_length())
         yield GaugeMetricFamily("hf_invisiblelora_running_rows", "Rows decoding a request.", value=self.engine.running())
@@ -102,9 +106,9 @@ class Metrics:
         yield HistogramMetricFamily("hf_invisiblelora_draft_tokens_per_cycle",
                                     "Tokens drafted per cycle (k; 0: a plain step), as the gate chose.",
                                     buckets=buckets, sum_value=sum(k * n for k, n in hist.items()))
-        yield from self.vllm_families()
+        yield from self.vllm_families(m)
 
-    def vllm_families(self):
+    def vllm_families(self, m: dict):
         """vLLM's gauges for the same quantities, labelled as vLLM labels them. ``vllm:lora_requests_info``
         is vLLM's: its value the time of the scrape, its labels the adapters of the running and the waiting
         requests (comma-separated names) and ``max_lora``, the most distinct adapters one pass serves
@@ -119,6 +123,13 @@ class Metrics:
                  engine.running() / engine.max_batch)):
             family = GaugeMetricFamily(name, doc, labels=labels)
             family.add_metric(list(self.vllm.values()), value)
+            yield family
+        for name, doc, key in (("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+                                "tokens.", "prefix_queries"),
+                               ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                                "prefix_hits")):
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(list(self.vllm.values()), m.get(key, 0))
             yield family
         family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
                                    labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"])

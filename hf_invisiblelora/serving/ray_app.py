@@ -27,6 +27,7 @@ Runtime adapter loading (``allow_runtime_lora_updating``) is refused: one call w
 replica; the adapters are the application's config (``serve deploy`` a new one to change them).
 """
 
+import argparse
 import asyncio  # no "from __future__ import annotations": FastAPI reads the routes' Request annotations
 import json
 import logging
@@ -65,7 +66,10 @@ def server_argv(args: dict) -> list[str]:
                              f"{sorted(RAY_KEYS)}.")
         flag = action.option_strings[-1]
         if action.nargs == 0:  # a switch
-            if str(value).strip().lower() in ("1", "true", "yes", "on"):
+            on = str(value).strip().lower() in ("1", "true", "yes", "on")
+            if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
+                argv.append(action.option_strings[0 if on else 1])
+            elif on:
                 argv.append(flag)
             continue
         repeatable = action.nargs is None and isinstance(action.default, list)  # --lora a=x --lora b=y
