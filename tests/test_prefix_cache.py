@@ -77,6 +77,27 @@ def test_a_shared_prefix_is_prefilled_once_per_adapter(model):
     assert m["prefix_queries"] == sum(len(p) for p, _ in jobs) and m["prefix_hits"] == sum(hits)
 
 
+def test_a_chat_turn_takes_the_blocks_of_the_last_turn_and_its_answer(model):
+    """Turns of a chat (each prompt the conversation so far: the last prompt, its answer, a new
+    message) under each adapter and the base model: a turn finds the blocks of the last one's prompt
+    and answer (kept when the request ended, all of the answer but its last token), and every
+    answer is stock's."""
+    g = torch.Generator().manual_seed(10)
+    engine = Engine(model, max_batch=2, max_len=160, num_draft_tokens=2).start()
+    try:
+        for adapter in ADAPTERS:
+            prompt = tokens(g, 20)
+            for turn in range(3):
+                [(answer, hit)] = run(engine, [(prompt, adapter)], max_tokens=12)
+                assert answer == reference(model, prompt, adapter, 12), (adapter, turn)
+                if turn:  # the last turn's prompt and answer but its last token, in full blocks
+                    assert hit == (len(last) + len(last_answer) - 1) // BLOCK * BLOCK, (adapter, turn)
+                last, last_answer = prompt, answer
+                prompt = prompt + answer + tokens(g, 5)
+    finally:
+        engine.stop()
+
+
 def test_roots_follow_the_weights_not_the_names():
     """A root changes with everything the keys and values depend on, by every route a user has: the
     base weights (in place, through .data), an adapter's B, its scale, a DoRA magnitude, a

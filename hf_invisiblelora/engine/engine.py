@@ -177,7 +177,8 @@ class Engine:
         self._pool = AdapterPool(model, self.max_cpu_loras, adapter_paths, _bound("max_lora_rank", max_lora_rank))
         self._adapters = list(self._pool.paths)
         self._policy = RequestPolicy(max_batch, inner.device)
-        self._rows = Rows(max_batch, self._policy, self._pool, self._count, self.max_len - num_draft_tokens - 1)
+        self._rows = Rows(max_batch, self._policy, self._pool, self._count, self.max_len - num_draft_tokens - 1,
+                          ended=self._ended)
         self.metrics = dict(cycles=0, tokens=0, k_hist=collections.Counter(),
                             drafted=collections.Counter(), accepted=collections.Counter(), requests=0,
                             failed_cycles=0, failed_requests=0, loaded_adapters=len(model.peft_config))
@@ -534,15 +535,31 @@ class Engine:
         self._prefilled(decoder, group, committed)
 
     def _prefilled(self, decoder: Decoder, group: list, committed: list[int]) -> None:
-        """A group's prompts are in the cache: their blocks are kept (prefix caching; a failure there is
-        logged and costs only the blocks), their first tokens delivered."""
-        if self._prefix is not None:
-            try:
-                for r, h in group:  # the prompt's slots end where the group's (left-padded) width does
-                    self._prefix.keep(decoder.fwd.cache, r, h, decoder.batch.plen_h[r] - len(h.request.prompt))
-            except Exception:  # noqa: BLE001 - the blocks are an optimization; the requests go on
-                logger.exception("hf_invisiblelora engine: keeping prompt blocks failed")
+        """A group's prompts are in the cache: their blocks are kept (prefix caching), their first
+        tokens delivered."""
+        for r, h in group:
+            self._keep_blocks(decoder, r, h, 0)
         self._rows.prefilled(decoder, group, committed)
+
+    def _ended(self, decoder: Decoder, r: int, h) -> None:
+        """Row r's request ends (Rows.release, before its row is freed): the blocks of its prompt and
+        output are kept (prefix caching) if it decoded."""
+        if self._prefix is not None:
+            if h.status == Status.DECODING and h.finish_reason is None:
+                self._keep_blocks(decoder, r, h, decoder.generated(r) - 1)
+            self._prefix.released(r)
+
+    def _keep_blocks(self, decoder: Decoder, r: int, h, output: int) -> None:
+        """Keep the blocks of row r's prompt and its first ``output`` generated tokens (a failure here is
+        logged and costs only the blocks)."""
+        if self._prefix is None:
+            return
+        try:
+            width = decoder.batch.plen_h[r]  # the prompt's slots end where its group's (left-padded) width does
+            tokens = h.request.prompt + (decoder.batch.tokens[r, width : width + output].tolist() if output > 0 else [])
+            self._prefix.keep(decoder.fwd.cache, r, h.request.adapter, tokens, width - len(h.request.prompt))
+        except Exception:  # noqa: BLE001 - the blocks are an optimization; the requests go on
+            logger.exception("hf_invisiblelora engine: keeping prompt blocks failed")
 
     def _prefix_caching(self, session: Session) -> PrefixCaching | None:
         """The engine's prefix caching, or None: off, or a model whose keys and values a cached prefix

@@ -5,7 +5,8 @@ which then prefills only the rest (vLLM's automatic prefix caching, SGLang's rad
     prefixes = PrefixCaching(model, max_bytes, check)    # the serving engine's (engine.py)
     hits, rest = prefixes.lookup(joining)                 # [((row, handle), blocks)], the others
     prefixes.admitted(row)                                # a request's prefill starts
-    prefixes.keep(cache, row, handle, start)              # its prompt is in the cache: keep its blocks
+    prefixes.keep(kv, row, adapter, tokens, start)        # its prompt, later with its output: keep blocks
+    prefixes.released(row)                                # its row is free
     prefixes.renew(check)                                 # the model may have changed (adapters)
 
     cache = PrefixCache(max_bytes)                        # the blocks themselves
@@ -50,11 +51,13 @@ BLOCK = 16  # tokens per block (vLLM's default block size)
 
 class PrefixCaching:
     """The serving engine's prefix caching: a PrefixCache of ``max_bytes`` and the roots of the model's
-    current weights (``Revisions``). A prompt's blocks are kept only if no adapter changed between
-    its admission and the end of its prefill (``renew`` in between: a change cut through its chunks,
-    so its keys and values may be half old); requests that want their prompt's log-probabilities
-    prefill it whole (every position's logits) and are not looked up. ``queries`` / ``hits``: prompt
-    tokens looked up / found (vLLM's prefix cache counters)."""
+    current weights (``Revisions``). A request's blocks are kept when its prompt is in the cache, and
+    again when it ends, with its output (all of it but its last token, whose keys and values no pass
+    has computed yet: a chat's next turn repeats both), as vLLM keeps a request's full blocks. They
+    are kept only if no adapter changed since its admission (``renew`` in between: a change cut
+    through its passes, so its keys and values may be half old). Requests that want their prompt's
+    log-probabilities prefill it whole (every position's logits) and are not looked up.
+    ``queries`` / ``hits``: prompt tokens looked up / found (vLLM's prefix cache counters)."""
 
     def __init__(self, model, max_bytes: int, check: SourceCheck | None = None):
         self.model, self.cache = model, PrefixCache(max_bytes)
@@ -90,13 +93,17 @@ class PrefixCaching:
     def admitted(self, row: int) -> None:
         self._admitted[row] = self.epoch
 
-    def keep(self, kv, row: int, handle, start: int) -> None:
-        """Row ``row``'s prompt (``handle``'s) is in ``kv`` (the engine's SharedCache) from slot ``start``
-        on: keep its full blocks, unless a renewal came since its admission."""
-        if self._admitted.pop(row, None) != self.epoch or handle.request.prompt_logprobs is not None:
+    def released(self, row: int) -> None:
+        self._admitted.pop(row, None)
+
+    def keep(self, kv, row: int, adapter: str, tokens: list[int], start: int) -> None:
+        """The keys and values of ``tokens`` (row ``row``'s request under ``adapter``) are in ``kv`` (the
+        engine's SharedCache) from slot ``start`` on: keep their full blocks, unless a renewal came
+        since the request's admission."""
+        if self._admitted.get(row) != self.epoch:
             return
-        prompt, block = handle.request.prompt, self.cache.block
-        keys = self.cache.chain(self.revisions.root(handle.request.adapter), prompt)
+        block = self.cache.block
+        keys = self.cache.chain(self.revisions.root(adapter), tokens)
         self.cache.store(keys, lambda i: kv.read(row, start + i * block, block))
 
 

@@ -20,11 +20,13 @@ logger = logging.getLogger("hf_invisiblelora")
 class Rows:
     """``handles[r]``: the request (request.Handle) in row r, or None. ``policy``: the engine's
     RequestPolicy (log-probabilities); ``pool``: its AdapterPool (an adapter's last use);
-    ``count(**added)``: adds to the engine's metrics; ``room``: the slots a row may use."""
+    ``count(**added)``: adds to the engine's metrics; ``room``: the slots a row may use;
+    ``ended(decoder, r, handle)``: called as a request ends, before its row is freed (its keys and
+    values still in it)."""
 
-    def __init__(self, capacity: int, policy, pool, count, room: int):
+    def __init__(self, capacity: int, policy, pool, count, room: int, ended=lambda decoder, r, h: None):
         self.handles = [None] * capacity
-        self.policy, self.pool, self.count, self.room = policy, pool, count, room
+        self.policy, self.pool, self.count, self.room, self.ended = policy, pool, count, room, ended
 
     def free(self) -> list[int]:
         return [r for r, h in enumerate(self.handles) if h is None]
@@ -101,6 +103,8 @@ class Rows:
         h = self.handles[r]
         h.drafted, h.accepted = decoder.drafted[r], decoder.accepted[r]
         self.pool.touch(h.request.adapter)
+        if reason != "error":
+            self.ended(decoder, r, h)
         self.handles[r] = None
         decoder.free(r)
         h._finish(reason, error)
