@@ -187,6 +187,20 @@ def test_dora_and_modules_to_save_adapters_with_cached_prefixes():
     assert [h for _, h in results] == [0] * 4 + [2 * BLOCK] * 4
 
 
+def while_prefilling(engine, g, prompt, max_tokens):
+    """(busy, handle): a request decoding in one row for as long as the engine's rows allow (so a
+    prompt is prefilled a chunk a cycle), and one for ``prompt`` under "s", returned once its prompt
+    is being prefilled."""
+    busy = engine.submit(Request(tokens(g, 3), adapter="b", max_tokens=engine.max_len - 16, temperature=0,
+                                 ignore_eos=True))
+    while busy.status != Status.DECODING:
+        time.sleep(0.001)
+    h = engine.submit(Request(prompt, adapter="s", max_tokens=max_tokens, temperature=0))
+    while h.status != Status.PREFILLING:
+        time.sleep(0.001)
+    return busy, h
+
+
 def test_a_request_cancelled_while_its_prompt_is_prefilled_leaves_no_block(model):
     """A prompt prefilled in chunks (prefill_chunk 4) whose request is cancelled halfway stores
     nothing: the next request with it prefills it whole and answers as stock."""
@@ -194,12 +208,7 @@ def test_a_request_cancelled_while_its_prompt_is_prefilled_leaves_no_block(model
     long = tokens(g, 120)
     engine = Engine(model, max_batch=2, max_len=160, num_draft_tokens=2, prefill_chunk=4).start()
     try:
-        busy = engine.submit(Request(tokens(g, 3), adapter="b", max_tokens=150, temperature=0, ignore_eos=True))
-        while busy.status != Status.DECODING:
-            time.sleep(0.001)
-        h = engine.submit(Request(long, adapter="s", max_tokens=4, temperature=0))
-        while h.status != Status.PREFILLING:
-            time.sleep(0.001)
+        busy, h = while_prefilling(engine, g, long, 4)
         h.cancel()
         h.result(60)
         assert h.finish_reason == "cancelled"
@@ -222,12 +231,7 @@ def test_blocks_of_a_prefill_an_adapter_change_cut_through_are_not_kept(tmp_path
     long = tokens(g, 200)
     engine = Engine(model, max_batch=2, max_len=256, num_draft_tokens=2, prefill_chunk=2).start()
     try:
-        busy = engine.submit(Request(tokens(g, 3), adapter="b", max_tokens=240, temperature=0, ignore_eos=True))
-        while busy.status != Status.DECODING:
-            time.sleep(0.001)
-        h = engine.submit(Request(long, adapter="s", max_tokens=3, temperature=0))
-        while h.status != Status.PREFILLING:
-            time.sleep(0.001)
+        busy, h = while_prefilling(engine, g, long, 3)
         with torch.no_grad():
             model.base_model.model.model.layers[1].mlp.up_proj.weight.mul_(1.5)
         engine.load_adapter("d", str(tmp_path / "d"))
