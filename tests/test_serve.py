@@ -397,6 +397,32 @@ def test_adapters_load_and_unload_while_serving(server, client, files, reference
     check_choice(r.choices[0], r.usage, generate(reference, ids, "c", 6), len(ids), 6)
 
 
+def test_an_adapter_reloaded_in_place(server, client, files, reference):
+    """vLLM's ``load_inplace``: a served name takes another folder's weights as a new revision (the
+    answers are the new weights'); without it the name is taken; a bad value is a 400 naming it."""
+    ids = [7, 8, 9, 10, 11]
+    load = {"lora_name": "swap", "lora_path": str(files / "spare" / "d")}
+    assert request(server, "/v1/load_lora_adapter", load) == (200, {"object": "lora_adapter", "id": "swap",
+                                                                     "status": "loaded"})
+    r = client.completions.create(model="swap", prompt=ids, max_tokens=8, temperature=0)
+    check_choice(r.choices[0], r.usage, generate(reference, ids, "new", 8), len(ids), 8)
+    again = dict(load, lora_path=str(files / "adapters" / "c"))
+    status, body = request(server, "/v1/load_lora_adapter", again)
+    assert status == 400 and body["error"]["code"] == "adapter_exists"
+    status, body = request(server, "/v1/load_lora_adapter", dict(again, load_inplace="yes"))
+    assert status == 400 and body["error"]["param"] == "load_inplace"
+    status, body = request(server, "/v1/load_lora_adapter", dict(again, load_inplace=True))
+    assert status == 200 and body["status"] == "reloaded", body
+    r = client.completions.create(model="swap", prompt=ids, max_tokens=8, temperature=0)
+    check_choice(r.choices[0], r.usage, generate(reference, ids, "c", 8), len(ids), 8)
+    status, body = request(server, "/v1/load_lora_adapter", dict(again, lora_path=str(files / "nowhere"),
+                                                                 load_inplace=True))
+    assert status == 400 and body["error"]["code"] == "adapter_load_failed"
+    r = client.completions.create(model="swap", prompt=ids, max_tokens=8, temperature=0)  # as it was
+    check_choice(r.choices[0], r.usage, generate(reference, ids, "c", 8), len(ids), 8)
+    assert request(server, "/v1/unload_lora_adapter", {"lora_name": "swap"})[0] == 200
+
+
 def test_seeded_sampling_repeats_with_others_in_flight(client):
     kw = dict(model="b", prompt=TEXTS[3], max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, extra_body={"top_k": 20})
     alone = client.completions.create(**kw).choices[0].text

@@ -10,6 +10,12 @@ adapter is loaded again, between cycles, when a request names it. A swap loads t
 before it evicts the old one (a failed load changes nothing, and PEFT keeps at least one adapter),
 so the model holds one adapter more for a moment.
 
+A reload in place (``replace``) gives a loaded adapter new weights under its name, a new revision:
+its old weights are renamed to an internal name (``name#revision``, which no request can name) and
+kept while rows that started on them decode (the engine retires them after: ``retire``), so a
+request finishes on the revision it started with. Retired adapters do not count against
+``max_cpu_loras``.
+
 Loading reads the folder through files.py (inside the allowed roots at each file's read,
 the rank bounded by ``max_lora_rank`` before anything is allocated, finite values only) and puts
 the adapter into the model or nothing: a load that fails at any point leaves the model's modules
@@ -39,6 +45,7 @@ from ..lora.files import (
     add_adapter,
     read_adapter,
     remove_adapter,
+    rename_adapter,
 )
 from ..model.walk import BASE
 
@@ -101,6 +108,8 @@ class AdapterPool:
                                  "whose paths the engine does not know (it cannot evict them); give them in "
                                  "adapter_paths.")
         self.loads = self.evictions = 0
+        self.revision = dict.fromkeys(self.paths, 0)  # adapter -> reloads in place so far
+        self.retired = set()  # old revisions kept while rows decode with them (``replace``)
         self._ticks = itertools.count()
         self.used = {name: next(self._ticks) for name in self.paths}  # adapter -> when last used (LRU)
 
@@ -113,9 +122,13 @@ class AdapterPool:
     def touch(self, name: str) -> None:
         self.used[name] = next(self._ticks)
 
+    def held(self) -> int:
+        """Adapters loaded, retired revisions left out."""
+        return len(self.model.peft_config) - len(self.retired)
+
     def has_room(self) -> bool:
         """Another adapter can be loaded without evicting one."""
-        return self.max_cpu_loras is None or len(self.model.peft_config) < self.max_cpu_loras
+        return self.max_cpu_loras is None or self.held() < self.max_cpu_loras
 
     def load(self, name: str, path: str, roots=None) -> None:
         """Load an adapter into the model (see the module docstring); ``roots``: the real paths its
@@ -150,6 +163,31 @@ class AdapterPool:
         self.touch(name)
         self.loads += 1
 
+    def replace(self, name: str, path: str, roots=None, keep_old: bool = True) -> str | None:
+        """Load ``path``'s adapter as a new revision of the loaded adapter ``name`` (a reload in place):
+        the old weights renamed to ``name#revision``, returned and kept (``retired``) if ``keep_old``
+        (rows decode with them), else deleted. A load that fails leaves the old revision as it was."""
+        revision = self.revision.get(name, 0)
+        old = f"{name}#{revision}"
+        rename_adapter(self.model, name, old)
+        self.retired.add(old)
+        try:
+            self.load(name, path, roots)
+        except BaseException:
+            rename_adapter(self.model, old, name)
+            self.retired.discard(old)
+            raise
+        self.paths[name], self.revision[name] = path, revision + 1
+        if keep_old:
+            return old
+        self.retire(old)
+        return None
+
+    def retire(self, old: str) -> None:
+        """Delete a retired revision (no row decodes with it any more)."""
+        self.retired.discard(old)
+        self.delete(old)
+
     def delete(self, name: str) -> None:
         remove_adapter(self.model, name)
 
@@ -159,6 +197,7 @@ class AdapterPool:
             self.delete(name)
         del self.paths[name], self.used[name]
         self.roots.pop(name, None)
+        self.revision.pop(name, None)
 
     def evictable(self, keep: str, running, waiting, idle: bool) -> list[str]:
         """Loaded adapters that may be evicted now, the best first: not ``keep``, not in ``running``
@@ -166,12 +205,13 @@ class AdapterPool:
         ``waiting`` (the adapters waiting requests name). Those no waiting request names first, then
         least recently used."""
         return sorted((a for a in self.model.peft_config if a != keep and a not in running and self.paths.get(a)
-                       and not (idle and a in waiting)), key=lambda a: (a in waiting, self.used[a]))
+                       and a not in self.retired and not (idle and a in waiting)),
+                      key=lambda a: (a in waiting, self.used[a]))
 
     def fit(self, loaded: str, running, waiting, idle: bool) -> str | None:
         """After loading ``loaded``: if that makes one adapter more than max_cpu_loras, evict the
         first of ``evictable`` (``loaded`` itself when there is none); returns the evicted one."""
-        if self.max_cpu_loras is None or len(self.model.peft_config) <= self.max_cpu_loras:
+        if self.max_cpu_loras is None or self.held() <= self.max_cpu_loras:
             return None
         victim = next(iter(self.evictable(loaded, running, waiting, idle)), loaded)
         self.delete(victim)

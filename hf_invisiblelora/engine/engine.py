@@ -41,6 +41,7 @@ is evicted and loaded again when a request names it: adapter_pool.py).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import os
 import queue
@@ -61,6 +62,7 @@ from ..model.state import state_of
 from ..model.walk import BASE
 from ..threads import release_openmp_threads
 from .adapter_pool import (
+    NAME,
     AdapterBusy,
     AdapterExists,
     AdapterPool,
@@ -71,6 +73,7 @@ from .adapter_pool import (
     return_freed_memory,
 )
 from .prefix_cache import BLOCK, PrefixCaching
+from .resolver import AdapterResolver
 from .request import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, Handle, InvalidRequest, PromptTooLong, Request, Status, validate
 from .rows import Rows
 from .scheduling import left_padded, pick, prefill_groups
@@ -117,7 +120,8 @@ class Engine:
                  max_cpu_loras: int | None = None, adapter_paths: dict | None = None, draft_vocab=None,
                  draft_dtype="auto", prompt_lookup: bool = True, prepack="auto",
                  prefill_chunk: int | None = PREFILL_CHUNK,
-                 max_lora_rank: int = MAX_RANK, prefix_caching: bool = True, prefix_cache_bytes: int | None = None):
+                 max_lora_rank: int = MAX_RANK, prefix_caching: bool = True, prefix_cache_bytes: int | None = None,
+                 lora_resolver_dirs=()):
         """``max_loras``, ``max_cpu_loras``: the bounds of the module docstring (None: none).
         ``adapter_paths``: {name: local PEFT adapter folder}, for adapters the model has loaded (so
         that they can be evicted and loaded again) and for others, loaded when a request names them.
@@ -133,7 +137,10 @@ class Engine:
         starts the same, under the same weights, from where they end (prefix_cache.py; vLLM's automatic
         prefix caching), in at most ``prefix_cache_bytes`` (default PREFIX_CACHE_BYTES, at most a
         quarter of the memory available); off by itself for models whose keys and values a prefix
-        cannot give exactly (windowed cache layers: logged at start)."""
+        cannot give exactly (windowed cache layers: logged at start).
+        ``lora_resolver_dirs``: folders where an adapter a request names and the engine does not
+        serve is looked up (resolver.py: ``<dir>/<name>``, or a Hugging Face Hub cache's snapshot of
+        ``org/repo``) and loaded, read inside the folder it was found in (``resolve``)."""
         check_model(model)
         check_options(gate, num_draft_tokens, "bank", False, draft_vocab, prompt_lookup)  # generate()'s own checks of these
         check_prepack(prepack)
@@ -173,6 +180,10 @@ class Engine:
         self.prefix_caching, self.prefix_cache_bytes = prefix_caching, _bound("prefix_cache_bytes", prefix_cache_bytes)
         self._prefix = None  # prefix_cache.PrefixCaching while the engine's thread runs (None: off)
         self._chunked = collections.deque()  # [group, slots done]: prompts being prefilled in chunks
+        self._retiring = set()  # retired revisions whose deletion is queued (_retire)
+        self.resolver = AdapterResolver(lora_resolver_dirs) if lora_resolver_dirs else None
+        self._resolving = {}  # adapter name -> the Future of its lookup and load (resolve)
+        self._resolving_lock = threading.Lock()
         # Changed on the engine's thread under _wake; submit() reads it under the same lock.
         self._pool = AdapterPool(model, self.max_cpu_loras, adapter_paths, _bound("max_lora_rank", max_lora_rank))
         self._adapters = list(self._pool.paths)
@@ -208,10 +219,43 @@ class Engine:
 
     def validate(self, request: Request) -> None:
         """Raise InvalidRequest (a ValueError) naming the field that is wrong with ``request``
-        (request.validate), or UnknownAdapter; normalizes its numbers' types."""
+        (request.validate), or UnknownAdapter; normalizes its numbers' types. An adapter not served
+        is looked up and loaded first where ``lora_resolver_dirs`` are set (``resolve``: its load's
+        errors are raised here)."""
         validate(request, self.vocab_size, self.max_request_tokens)
-        if request.adapter != BASE and request.adapter not in self._pool:
+        if request.adapter != BASE and request.adapter not in self._pool and not self.resolve(request.adapter):
             raise UnknownAdapter(f"Unknown adapter {request.adapter!r}; served: {self.adapters()}.")
+
+    def resolve(self, name: str) -> bool:
+        """Whether adapter ``name`` is served, once looked up in ``lora_resolver_dirs`` and loaded from
+        the first that holds it (resolver.py; ``load_adapter``, inside that folder). Concurrent calls
+        for one name wait for one lookup and load and share its outcome: True, False (found
+        nowhere), or its load's error (AdapterUnsupported and the files' errors: the folder holds no
+        adapter this engine serves). Blocks for the load: call it off an event loop."""
+        if name in self._pool:
+            return True
+        if self.resolver is None or name == BASE or not NAME.fullmatch(name):  # a name no adapter can have
+            return False
+        with self._resolving_lock:
+            future, mine = self._resolving.get(name), False
+            if future is None:
+                future, mine = self._resolving.setdefault(name, concurrent.futures.Future()), True
+        if mine:
+            try:
+                found = self.resolver.find(name)
+                if found is not None:
+                    try:
+                        self.load_adapter(name, found[0], roots=[found[1]])
+                        logger.info("hf_invisiblelora engine: adapter %r found in %s and loaded", name, found[0])
+                    except AdapterExists:  # loaded meanwhile by another route
+                        pass
+                future.set_result(found is not None)
+            except Exception as e:  # noqa: BLE001 - handed to every caller waiting for this name
+                future.set_exception(e)
+            finally:
+                with self._resolving_lock:
+                    del self._resolving[name]
+        return future.result()
 
     @property
     def max_request_tokens(self) -> int:
@@ -257,23 +301,50 @@ class Engine:
     def running(self) -> int:
         return len(self._rows.taken())
 
-    def load_adapter(self, name: str, path: str, timeout: float = 600, roots=None) -> None:
+    def load_adapter(self, name: str, path: str, timeout: float = 600, roots=None, inplace: bool = False) -> None:
         """Load a PEFT adapter between cycles (adapter_pool.py: its folder read inside ``roots``, the
         real paths its files may be read under, None: anywhere; its name checked, check_name). One
         the engine cannot read or serve is refused with AdapterUnsupported (a ValueError), one PEFT
         fails to load with PEFT's error; either way the model is as it was. Past ``max_cpu_loras``
         the least recently used idle adapter is evicted; if every other one is in use, this one is
-        (it stays served, loaded when a request names it)."""
+        (it stays served, loaded when a request names it).
+
+        ``inplace`` (vLLM's ``load_inplace``): a name already served gets the new weights as a new
+        revision, without an unload. Requests admitted from then on decode with it; requests already
+        in a row finish on the revision they started with (kept under an internal name until the
+        last of them is done: ``AdapterPool.replace``); ``Handle.revision`` says which. The prefix
+        cache never gives one revision's blocks to another (prefix_cache.py: roots by contents)."""
         check_name(name)
+        path = os.fspath(path)
 
         def load():
-            if name == BASE or name in self._pool:
+            if name == BASE or name in self._pool and not inplace:
                 raise AdapterExists(f"An adapter named {name!r} is already served (or reserved).")
-            self._pool.load(name, os.fspath(path), roots)
+            if name in self._pool and self._pool.loaded(name):
+                rows = [r for r, n in enumerate(self._decoder.names) if n == name]
+                old = self._pool.replace(name, path, roots, keep_old=bool(rows))
+                for r in rows:  # they finish on their revision, renamed (the next renewal reads the names)
+                    self._decoder.names[r] = old
+                return
+            self._pool.load(name, path, roots)
             with self._wake:
-                self._pool.paths[name] = os.fspath(path)
+                self._pool.paths[name] = path
+                if inplace:  # an evicted adapter's new files: a new revision
+                    self._pool.revision[name] = self._pool.revision.get(name, -1) + 1
             self._fit(name, idle=True)
         self._command(load, timeout)
+
+    def _retire(self, decoder: Decoder) -> None:
+        """Retired revisions (reloads in place) that no row decodes with any more are deleted: queued as
+        a command (a model change, between cycles)."""
+        done = [old for old in self._pool.retired if old not in decoder.names and old not in self._retiring]
+        for old in done:
+            self._retiring.add(old)
+
+            def retire(old=old):
+                self._retiring.discard(old)
+                self._pool.retire(old)
+            self._commands.put((retire, threading.Event(), {}))
 
     def unload_adapter(self, name: str, timeout: float = 600) -> None:
         """Unload an adapter between cycles (an evicted one too: the engine forgets it); refused while
@@ -393,6 +464,8 @@ class Engine:
             joining = self._next_chunk(decoder, fold=bool(decoder.batch.active)) if self._chunked else None
             if decoder.batch.active:
                 self._cycle(decoder, joining)
+            if self._pool.retired:
+                self._retire(decoder)
 
     def _cycle(self, decoder: Decoder, joining=None) -> None:
         """One decoder cycle over the active rows, then delivery; ``joining`` ((group, start, end) of
@@ -515,6 +588,7 @@ class Engine:
                 stops = self.stop_ids(h.request.ignore_eos, h.request.stop_token_ids)
                 decoder.set_stops(r, stops)
                 self._policy.set_request(r, h.request, stops)
+                h.revision = self._pool.revision.get(h.request.adapter, 0)
                 if self._prefix is not None:
                     self._prefix.admitted(r)
             # While rows decode, a short prompt rides in a cycle's verify pass (_next_chunk), as the chunks do.

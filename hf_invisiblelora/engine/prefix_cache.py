@@ -36,6 +36,7 @@ be matched).
 
 from __future__ import annotations
 
+import array
 import collections
 import operator
 
@@ -125,7 +126,7 @@ class PrefixCache:
         keys, key = [], root
         for start in range(0, len(tokens) - self.block + 1, self.block):
             h = xxhash.xxh3_128(key)
-            h.update(torch.tensor(tokens[start : start + self.block], dtype=torch.int64).numpy().tobytes())
+            h.update(array.array("q", tokens[start : start + self.block]).tobytes())
             key = h.digest()
             keys.append(key)
         return keys

@@ -107,6 +107,7 @@ class Handle:
         self.finish_reason = None
         self.error = None
         self.drafted = self.accepted = 0
+        self.revision = None  # the adapter's revision it was admitted with (Engine.load_adapter(inplace=True))
         self._chunks = queue.Queue()
         self.done = threading.Event()
 

@@ -8,7 +8,9 @@ need to be:
 
 - every file is read inside the allowed roots at the moment it is read: the folder is opened once
   (its real path checked from the open descriptor, so a folder swapped for a symlink after a check
-  is seen), and each file is opened relative to it without following symlinks;
+  is seen), and each file is opened relative to it without following symlinks, or, where roots are
+  set, through one only if the file it opens is inside them (checked on the open file: a Hugging
+  Face cache's snapshot links into its blobs);
 - sizes are bounded before anything is allocated: the config, the rank (``r``, ``rank_pattern``)
   against ``max_rank`` (vLLM's ``--max-lora-rank``), the weights file against what an adapter of
   that rank can hold on this model, a safetensors file's shapes from its header before its data;
@@ -95,18 +97,18 @@ def _open_folder(folder: str, roots) -> int:
         raise
 
 
-def _read(fd: int, name: str, limit: int, what: str) -> bytes | None:
-    """File ``name`` of the open folder (not through a symlink; a regular file of at most ``limit``
-    bytes), or None if there is none."""
+def _read(fd: int, name: str, limit: int, what: str, roots=None) -> bytes | None:
+    """File ``name`` of the open folder (a regular file of at most ``limit`` bytes), or None if there
+    is none. Not through a symlink, unless ``roots`` are set and the file it leads to is inside them
+    (``_open_link``)."""
     try:
         f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
     except FileNotFoundError:
         return None
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise OutsideRoots(f"{name} is a symlink; adapters' files are read only as regular files inside their "
-                               "folder") from None
-        raise Unreadable(f"{name} cannot be opened ({e.strerror})") from None
+        if e.errno != errno.ELOOP:
+            raise Unreadable(f"{name} cannot be opened ({e.strerror})") from None
+        f = _open_link(fd, name, roots)
     with os.fdopen(f, "rb") as file:
         st = os.fstat(file.fileno())
         if not stat.S_ISREG(st.st_mode):
@@ -117,6 +119,28 @@ def _read(fd: int, name: str, limit: int, what: str) -> bytes | None:
     if len(data) > limit:
         raise Unreadable(f"{name} grew past {limit} bytes while it was read")
     return data
+
+
+def _open_link(fd: int, name: str, roots) -> int:
+    """File ``name`` of the open folder, a symlink, opened through it only where ``roots`` are set and
+    the file it opens is inside them, checked on the open file itself (a Hugging Face Hub cache keeps
+    a snapshot's files as links into its ``blobs/``: resolver.py)."""
+    refused = OutsideRoots(f"{name} is a symlink to a file outside the folders this server loads adapters from; "
+                           "adapters' files are read only inside them")
+    if roots is None:
+        raise refused
+    try:
+        f = os.open(name, os.O_RDONLY, dir_fd=fd)
+    except OSError as e:
+        raise Unreadable(f"{name} is a symlink that cannot be opened ({e.strerror})") from None
+    try:
+        real = os.readlink(f"/proc/self/fd/{f}")
+    except OSError:
+        real = None  # no /proc: where it leads cannot be told from the open file
+    if real is None or not inside(real, roots):
+        os.close(f)
+        raise refused
+    return f
 
 
 def _finite(value) -> bool:
@@ -197,9 +221,9 @@ def _check_header(raw: bytes, max_rank: int) -> None:
             raise AdapterRefused(f"{SAFETENSORS} holds {key!r} of rank {rank}, more than {max_rank} (--max-lora-rank)")
 
 
-def _weights(fd: int, model, config: LoraConfig, max_rank: int) -> dict:
+def _weights(fd: int, model, config: LoraConfig, max_rank: int, roots=None) -> dict:
     limit = weights_limit(model, config)
-    raw = _read(fd, SAFETENSORS, limit, "an adapter of this rank on this model")
+    raw = _read(fd, SAFETENSORS, limit, "an adapter of this rank on this model", roots)
     if raw is not None:
         _check_header(raw, max_rank)
         from safetensors.torch import load
@@ -208,7 +232,7 @@ def _weights(fd: int, model, config: LoraConfig, max_rank: int) -> dict:
             return load(raw)
         except Exception as e:  # noqa: BLE001 - safetensors' errors for a malformed file are of several kinds
             raise Unreadable(f"{SAFETENSORS} cannot be read: {e}") from None
-    raw = _read(fd, BIN, limit, "an adapter of this rank on this model")
+    raw = _read(fd, BIN, limit, "an adapter of this rank on this model", roots)
     if raw is None:
         raise Unreadable(f"the folder has neither {SAFETENSORS} nor {BIN}")
     try:
@@ -225,11 +249,11 @@ def read_adapter(folder: str, model, roots=None, max_rank: int = MAX_RANK) -> Ad
     paths files may be read under (None: anywhere). Raises AdapterRefused (OutsideRoots) saying why."""
     fd = _open_folder(os.path.realpath(os.path.expanduser(folder)) if roots is not None else folder, roots)
     try:
-        raw = _read(fd, CONFIG, MAX_CONFIG_BYTES, "a config")
+        raw = _read(fd, CONFIG, MAX_CONFIG_BYTES, "a config", roots)
         if raw is None:
             raise Unreadable(f"the folder has no {CONFIG} (it is not a PEFT adapter folder)")
         config = _config(raw, max_rank)
-        weights = _weights(fd, model, config, max_rank)
+        weights = _weights(fd, model, config, max_rank, roots)
     finally:
         os.close(fd)
     for key, t in weights.items():
@@ -253,6 +277,42 @@ def remove_adapter(model, name: str) -> None:
             model.set_adapter(others[0], inference_mode=True)
     model.peft_config.pop(name, None)
     peft_delete_adapter(model.base_model.model, name, prefix="lora_", layer_cls=LoraLayer)
+
+
+def rename_adapter(model, old: str, new: str) -> None:
+    """Adapter ``old`` under the name ``new``, in every place PEFT's own deletion reads it: each PEFT
+    layer's per-adapter containers (``adapter_layer_names``, ``other_param_names``: lora_A / lora_B,
+    the embedding LoRA, DoRA's magnitudes, modules_to_save's copies, rank, scaling, ...), its frozen
+    weight names, LoRA variants (DoRA's), cached values, active adapters; the model's config entry.
+    PEFT has no rename; a reload in place keeps an adapter's old weights under another name while
+    requests started on them finish (adapter_pool.py)."""
+    for m in model.modules():
+        names = (*getattr(m, "adapter_layer_names", ()), *getattr(m, "other_param_names", ()))
+        places = [_attribute(m, a) for a in names] + [getattr(m, a, None) for a in ("frozen_peft_weight_names",
+                                                                                    "lora_variant")]
+        for place in places:
+            if isinstance(place, (dict, nn.ModuleDict, nn.ParameterDict)) and old in place:
+                place[new] = place.pop(old)
+        if isinstance(getattr(m, "_caches", None), dict):
+            m._caches.clear()  # PEFT's ad hoc per-adapter values: computed again under the new name
+        active = getattr(m, "_active_adapter", None)
+        if active == old:
+            m._active_adapter = new
+        elif isinstance(active, list) and old in active:
+            m._active_adapter = [new if a == old else a for a in active]
+    model.peft_config[new] = model.peft_config.pop(old)
+    for holder in (model, model.base_model):  # PeftModel's and the tuner's own record of the active adapter(s)
+        active = holder.__dict__.get("active_adapter")
+        if active == old:
+            holder.active_adapter = new
+        elif isinstance(active, list) and old in active:
+            holder.active_adapter = [new if a == old else a for a in active]
+
+
+def _attribute(m, dotted: str):
+    for part in dotted.split("."):
+        m = getattr(m, part, None)
+    return m
 
 
 def add_adapter(model, name: str, files: AdapterFiles, check=None) -> None:

@@ -10,10 +10,9 @@ import os
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.adapter_pool import check_name
-from ..engine.engine import AdapterBusy, AdapterExists, AdapterUnsupported, LastAdapter, NotRunning, UnknownAdapter
-from ..lora.files import OutsideRoots, Unreadable
+from ..engine.engine import AdapterBusy, AdapterExists, LastAdapter, NotRunning, UnknownAdapter
 from ..model.walk import BASE
-from .protocol import ApiError, bad, json_body, show
+from .protocol import ApiError, adapter_refused, bad, json_body, show
 
 logger = logging.getLogger("hf_invisiblelora.serve")
 
@@ -57,10 +56,12 @@ class AdapterAdmin:
     async def load_adapter(self, request):
         self.check_runtime_updates()
         body = await json_body(request, self.max_body_bytes)
-        name, path = body.get("lora_name"), body.get("lora_path")
+        name, path, inplace = body.get("lora_name"), body.get("lora_path"), body.get("load_inplace", False)
         for key, value in (("lora_name", name), ("lora_path", path)):
             if not isinstance(value, str) or not value:
                 raise bad(key, f"`{key}` must be a non-empty string.")
+        if not isinstance(inplace, bool):
+            raise bad("load_inplace", "`load_inplace` must be true or false.")
         try:
             check_name(name)
         except ValueError as e:
@@ -71,31 +72,25 @@ class AdapterAdmin:
         # one new name, the second gets adapter_exists here (and the engine's AdapterExists backs it up).
         exists = ApiError(400, f"The name {show(name)} is already in use (an adapter or the base model).",
                           param="lora_name", code="adapter_exists")
-        if name in (self.model_id, BASE) or name in self.adapter_paths:
+        if name in (self.model_id, BASE) or name in self.adapter_paths and not inplace:
             raise exists
+        before = self.adapter_paths.get(name)
         self.adapter_paths[name] = path
         try:  # the engine reads the files inside the roots, refuses what it cannot serve, rolls back a failed load
-            await run_in_threadpool(self.engine.load_adapter, name, folder, roots=self.lora_roots or None)
+            await run_in_threadpool(self.engine.load_adapter, name, folder, roots=self.lora_roots or None,
+                                    inplace=inplace)
         except Exception as e:  # noqa: BLE001 - PEFT's errors for a bad folder are of many kinds
-            del self.adapter_paths[name]
+            if before is None:
+                del self.adapter_paths[name]
+            else:  # a failed reload in place: the adapter serves on as it was
+                self.adapter_paths[name] = before
             if isinstance(e, NotRunning):
                 raise self.unavailable() from e
             if isinstance(e, AdapterExists):
                 raise exists from e
-            if isinstance(e, Unreadable):  # its message is ours: what is missing or malformed
-                raise ApiError(400, f"Could not load the PEFT adapter in `lora_path`: {e}.", param="lora_path",
-                               code="adapter_load_failed") from e
-            if isinstance(e, OutsideRoots):  # a file, or the folder swapped since the check above
-                raise ApiError(403, f"The adapter's files must be inside the folders this server loads adapters "
-                               f"from (--lora-root): {e}.", param="lora_path", code="lora_path_not_allowed") from e
-            if isinstance(e, AdapterUnsupported):  # its message is ours: what cannot be served, and why
-                raise ApiError(400, f"This server cannot serve the adapter: {e}", param="lora_path",
-                               code="adapter_unsupported") from e
-            raise ApiError(400, "Could not load the PEFT adapter in `lora_path` onto this base model (its files are "
-                           "incomplete, or made for another model).", param="lora_path", code="adapter_load_failed",
-                           cause=e) from e
-        logger.info("loaded adapter %r from %s", name, folder)
-        return {"object": "lora_adapter", "id": name, "status": "loaded"}
+            raise adapter_refused(e, "lora_path") from e
+        logger.info("%s adapter %r from %s", "reloaded" if before else "loaded", name, folder)
+        return {"object": "lora_adapter", "id": name, "status": "reloaded" if before else "loaded"}
 
     async def unload_adapter(self, request):
         self.check_runtime_updates()

@@ -178,6 +178,10 @@ def parser() -> argparse.ArgumentParser:
                    help=f"serve /v1/load_lora_adapter and /v1/unload_lora_adapter (or ${RUNTIME_LORA_ENV}=1)")
     p.add_argument("--lora-root", action="append", default=[], metavar="DIR",
                    help="runtime loading reads adapters from inside these folders only (repeatable; none: anywhere)")
+    p.add_argument("--lora-resolver-dir", action="append", default=[], metavar="DIR",
+                   help="look up an adapter a request names and the server does not serve in DIR/<name>, or in DIR "
+                        "as a Hugging Face Hub cache (models--org--repo/snapshots/...; offline) for a name org/repo, "
+                        "and load it from there (repeatable; files read inside DIR only; vLLM's LoRA resolvers)")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="the largest request body (413 above)")
     p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT,
                    help="on SIGTERM, seconds for the requests in flight to finish before they are ended")
@@ -213,6 +217,7 @@ def build_server(args: argparse.Namespace) -> Server | int:
     if args.model:
         problems.insert(0, missing(f"--model {args.model}", args.model, "config.json", "a Transformers model folder"))
     problems += [f"--lora-root {root} is not a folder" for root in args.lora_root if not os.path.isdir(root)]
+    problems += [f"--lora-resolver-dir {d} is not a folder" for d in args.lora_resolver_dir if not os.path.isdir(d)]
     if any(problems):
         print(f"error: {next(p for p in problems if p)}", file=sys.stderr)
         return 2
@@ -244,7 +249,7 @@ def build_server(args: argparse.Namespace) -> Server | int:
                     prepack={"auto": "auto", "on": True, "off": False}[args.prepack],
                     prefill_chunk=PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk or None,
                     max_lora_rank=args.max_lora_rank, prefix_caching=args.enable_prefix_caching,
-                    prefix_cache_bytes=args.prefix_cache_bytes).start()
+                    prefix_cache_bytes=args.prefix_cache_bytes, lora_resolver_dirs=args.lora_resolver_dir).start()
     lora_roots = [os.path.realpath(root) for root in args.lora_root]
     return Server(engine, tokenizer, model_id, root, adapter_paths, api_key=args.api_key,
                   runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,

@@ -10,10 +10,12 @@ import uuid
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from ..engine.engine import NotRunning, PromptTooLong, QueueFull, UnknownAdapter
+from ..engine.adapter_pool import NAME
+from ..engine.engine import AdapterUnsupported, NotRunning, PromptTooLong, QueueFull, UnknownAdapter
+from ..lora.files import AdapterRefused
 from ..model.walk import BASE
 from .bridge import ClientGone, Completion, Job
-from .protocol import ApiError, Sampling, bad, internal_error, json_body, not_found, show
+from .protocol import ApiError, Sampling, adapter_refused, bad, internal_error, json_body, not_found, show
 from .text import Stops
 
 logger = logging.getLogger("hf_invisiblelora.serve")
@@ -35,6 +37,8 @@ class Completions:
         if not isinstance(model, str):
             raise bad("model", f"`model` must be a string, got {show(model)}.")
         if model in self.engine.adapters():
+            return model
+        if self.engine.resolver is not None and NAME.fullmatch(model):  # looked up (and loaded) by Engine.validate
             return model
         raise not_found(model)
 
@@ -137,8 +141,10 @@ class Completions:
                 raise ApiError(429, str(e), type="server_error", code="queue_full") from e
             if isinstance(e, NotRunning):  # stopped meanwhile
                 raise self.unavailable() from e
-            if isinstance(e, UnknownAdapter):  # unloaded meanwhile
+            if isinstance(e, UnknownAdapter):  # unloaded meanwhile, or found in no resolver folder
                 raise not_found(adapter) from e
+            if isinstance(e, (AdapterRefused, AdapterUnsupported)):  # a resolver folder's adapter: not servable
+                raise adapter_refused(e, "model") from e
             if isinstance(e, ValueError):  # the engine's own words for what is wrong with the request
                 code = "context_length_exceeded" if isinstance(e, PromptTooLong) else "invalid_value"
                 param = getattr(e, "param", "prompt")

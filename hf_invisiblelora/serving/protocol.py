@@ -9,7 +9,9 @@ import math
 
 from starlette.concurrency import run_in_threadpool
 
+from ..engine.adapter_pool import AdapterUnsupported
 from ..engine.engine import Request
+from ..lora.files import OutsideRoots, Unreadable
 
 MAX_STOP_STRINGS = 16
 MAX_BODY_BYTES = 4 * 2**20  # --max-body-bytes: room for a 1 MB prompt, or a list of a million token ids
@@ -33,6 +35,22 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def adapter_refused(error: Exception, param: str) -> ApiError:
+    """The 4xx of an adapter folder the engine would not load (``param``: the field that named it):
+    403 for files outside the folders adapters are read from, 400 for what is missing, malformed or
+    not servable (the engine's own words), and for PEFT's errors on files made for another model."""
+    if isinstance(error, Unreadable):  # its message is ours: what is missing or malformed
+        return ApiError(400, f"Could not load the PEFT adapter in `{param}`: {error}.", param=param,
+                        code="adapter_load_failed")
+    if isinstance(error, OutsideRoots):  # a file, or the folder swapped since a check
+        return ApiError(403, f"The adapter's files must be inside the folders this server loads adapters from: "
+                        f"{error}.", param=param, code="lora_path_not_allowed")
+    if isinstance(error, AdapterUnsupported):  # its message is ours: what cannot be served, and why
+        return ApiError(400, f"This server cannot serve the adapter: {error}", param=param, code="adapter_unsupported")
+    return ApiError(400, f"Could not load the PEFT adapter in `{param}` onto this base model (its files are "
+                    "incomplete, or made for another model).", param=param, code="adapter_load_failed", cause=error)
 
 
 def not_found(model: str) -> ApiError:

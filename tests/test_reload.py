@@ -1,0 +1,128 @@
+"""Reloading an adapter in place while serving (Engine.load_adapter(inplace=True), vLLM's
+load_inplace): a request finishes on the revision it was admitted with, the ones admitted after
+decode with the new weights (each equal to standalone generate() under its revision, float64,
+greedy), the old revision is deleted once its last request is done, a failed reload changes
+nothing, and the prefix cache never gives one revision's blocks to another."""
+
+import time
+
+import pytest
+import torch
+
+import hf_invisiblelora  # noqa: F401
+from hf_invisiblelora.engine import Engine, Request
+from hf_invisiblelora.engine.adapter_pool import AdapterUnsupported
+from hf_invisiblelora.engine.request import Status
+from hf_invisiblelora.lora.files import Unreadable
+from tiny import tiny_peft
+
+
+@pytest.fixture(scope="module")
+def revisions(tmp_path_factory):
+    """Three revisions of one adapter (other seeds, other ranks), saved: [folder]."""
+    root = tmp_path_factory.mktemp("revisions")
+    folders = []
+    for i, config in enumerate([dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+                                dict(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+                                dict(r=2, lora_alpha=4, target_modules=["o_proj"])]):
+        tiny_peft("llama", adapters={"x": config}, strength=0.8, seed=10 + i).save_pretrained(root / str(i))
+        folders.append(str(root / str(i) / "x"))
+    return folders
+
+
+@pytest.fixture(scope="module")
+def reference(revisions):
+    """The same base model with each revision loaded under its own name: x0, x1, x2."""
+    model = tiny_peft("llama", adapters=("s", "b"), strength=0.6)
+    for i, folder in enumerate(revisions):
+        model.load_adapter(folder, adapter_name=f"x{i}")
+    return model
+
+
+def standalone(model, prompt, adapter, max_tokens):
+    out = model.generate(input_ids=torch.tensor([prompt]), adapter_names=[adapter], max_new_tokens=max_tokens,
+                         do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def internal_names(model):
+    return [a for a in model.peft_config if "#" in a]
+
+
+def wait_for(condition, seconds=30):
+    end = time.time() + seconds
+    while not condition():
+        assert time.time() < end, "timed out"
+        time.sleep(0.005)
+
+
+def test_requests_finish_on_the_revision_they_started_with(revisions, reference):
+    model = tiny_peft("llama", adapters=("s", "b"), strength=0.6)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(2, 64, (40,), generator=g).tolist()
+    engine = Engine(model, max_batch=3, max_len=128, num_draft_tokens=2).start()
+    try:
+        engine.load_adapter("x", revisions[0])
+        first = engine.submit(Request(prompt, adapter="x", max_tokens=60, temperature=0, ignore_eos=True))
+        wait_for(lambda: first.status == Status.DECODING)
+        engine.load_adapter("x", revisions[1], inplace=True)  # while `first` decodes
+        assert internal_names(model) == ["x#0"] and first.status == Status.DECODING
+        second = engine.submit(Request(prompt, adapter="x", max_tokens=8, temperature=0))
+        assert second.result(60) == standalone(reference, prompt, "x1", 8)
+        assert engine.metrics_snapshot()["prefix_hits"] == 0  # the first revision's blocks are not the second's
+        base = engine.submit(Request(prompt, adapter="s", max_tokens=8, temperature=0)).result(60)
+        assert first.result(60) == standalone(reference, prompt, "x0", 60)
+        assert (first.revision, second.revision) == (0, 1)
+        wait_for(lambda: not internal_names(model))  # the old revision deleted once its request ended
+        engine.load_adapter("x", revisions[2], inplace=True)  # nothing in flight: replaced at once
+        assert not internal_names(model)
+        third = engine.submit(Request(prompt, adapter="x", max_tokens=8, temperature=0))
+        assert third.result(60) == standalone(reference, prompt, "x2", 8) and third.revision == 2
+        again = engine.submit(Request(prompt, adapter="x", max_tokens=8, temperature=0))
+        assert again.result(60) == third.result(60)
+        assert engine.metrics_snapshot()["prefix_hits"] > 0  # the same revision's blocks are found
+    finally:
+        engine.stop()
+    assert base == standalone(reference, prompt, "s", 8)
+    assert sorted(model.peft_config) == ["b", "s", "x"]
+
+
+def test_a_failed_reload_changes_nothing(revisions, reference, tmp_path):
+    """A folder that is not an adapter for this model, or holds weights that are not finite: refused;
+    the adapter serves its revision as before, under its name, with nothing left behind."""
+    model = tiny_peft("llama", adapters=("s", "b"), strength=0.6)
+    other = tiny_peft("llama", adapters={"x": dict(r=4, lora_alpha=8, target_modules=["q_proj"])}, strength=0.6, seed=3)
+    with torch.no_grad():
+        other.base_model.model.model.layers[0].self_attn.q_proj.lora_B["x"].weight[0, 0] = float("nan")
+    other.save_pretrained(tmp_path / "nan")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "adapter_config.json").write_text("{}")
+    prompt = [5, 6, 7, 8, 9]
+    engine = Engine(model, max_batch=2, max_len=64, num_draft_tokens=2).start()
+    try:
+        engine.load_adapter("x", revisions[0])
+        busy = engine.submit(Request(prompt, adapter="x", max_tokens=40, temperature=0, ignore_eos=True))
+        wait_for(lambda: busy.status == Status.DECODING)
+        for folder, error in ((tmp_path / "nan" / "x", AdapterUnsupported), (tmp_path / "empty", Unreadable)):
+            with pytest.raises(error):
+                engine.load_adapter("x", str(folder), inplace=True)
+            assert not internal_names(model) and "x" in model.peft_config
+        after = engine.submit(Request(prompt, adapter="x", max_tokens=8, temperature=0)).result(60)
+        assert busy.result(60) == standalone(reference, prompt, "x0", 40)
+    finally:
+        engine.stop()
+    assert after == standalone(reference, prompt, "x0", 8)
+    assert sorted(model.peft_config) == ["b", "s", "x"]
+
+
+def test_without_inplace_a_served_name_is_refused(revisions):
+    model = tiny_peft("llama", adapters=("s", "b"), strength=0.6)
+    engine = Engine(model, max_batch=2, max_len=64).start()
+    try:
+        engine.load_adapter("x", revisions[0])
+        with pytest.raises(ValueError, match="already served"):
+            engine.load_adapter("x", revisions[1])
+        engine.load_adapter("y", revisions[1], inplace=True)  # a new name: a plain load
+        assert {"x", "y"} <= set(model.peft_config)
+    finally:
+        engine.stop()
