@@ -16,6 +16,14 @@ a fresh engine over the same model (four phases):
             --bounded-every), the engine holding at most --max-cpu-loras of them (the others given
             by path: evicted, least recently used first, and loaded again when a request names one)
             and --max-loras adapters per pass.
+  prefixes  --prefixes requests whose prompts all start differently (a distinct 32-token head, then
+            a held-out prompt), the adapters round robin, with prefix caching in --prefix-cache-bytes
+            (its blocks of every prompt and output are kept, the least recently used evicted): RSS
+            every --every requests, and the cache's bytes against its bound.
+  reloads   --reloads reloads in place (``load_adapter(inplace=True)``) of one adapter, its revisions
+            taking the zoo adapters' folders in turn, while a request started on the previous revision
+            decodes (so each reload keeps the old revision until that request ends); one request on
+            the new revision after each. RSS after each, and the revisions left over at the end.
 Each other phase's first --warm-up samples are its warm-up (the bank, packs and allocator pools reach their
 working size); reported: RSS at the end of the warm-up, at the end, and the largest growth after
 the warm-up (max RSS after it minus RSS at it). --no-trim skips the engine's malloc_trim after
@@ -48,7 +56,7 @@ from hf_invisiblelora.engine import Engine, Request, engine as engine_module
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
 from common import machine
 
-PHASES = ("cycles", "many", "requests", "bounded")
+PHASES = ("cycles", "many", "requests", "bounded", "prefixes", "reloads")
 
 
 def rss_mb() -> float:
@@ -171,12 +179,69 @@ def run_requests(model, prompts, args, targets, limit, every, **bounds) -> dict:
                 **summarize(samples or [rss_mb()], args.warm_up))
 
 
+def distinct(prompts, i: int, vocab: int, head: int = 32) -> list[int]:
+    """Prompt i with a head of ``head`` tokens no other i has (its digits in base vocab - 3)."""
+    digits, n = [], i
+    for _ in range(head):
+        digits.append(3 + n % (vocab - 3))
+        n //= vocab - 3
+    return digits + prompts[i % len(prompts)]
+
+
+def run_prefixes(model, prompts, args, targets) -> dict:
+    vocab = model.get_input_embeddings().weight.shape[0]
+    engine = started(model, args, prefix_cache_bytes=args.prefix_cache_bytes)
+    samples, peak, start, flight = [], 0, time.perf_counter(), []
+    try:
+        for i in range(args.prefixes):
+            flight.append(engine.submit(Request(distinct(prompts, i, vocab), adapter=targets[i % len(targets)],
+                                                max_tokens=args.max_tokens, temperature=0)))
+            if len(flight) == args.max_batch:
+                for h in flight:
+                    h.result(600)
+                flight = []
+            peak = max(peak, engine.metrics_snapshot()["prefix_bytes"])
+            if (i + 1) % args.every == 0:
+                samples.append(rss_mb())
+        for h in flight:
+            h.result(600)
+        m = engine.metrics_snapshot()
+    finally:
+        engine.stop()
+    return dict(requests=args.prefixes, seconds=round(time.perf_counter() - start, 1), every=args.every,
+                prefix_cache_bytes=args.prefix_cache_bytes, peak_cache_bytes=peak, blocks=m["prefix_blocks"],
+                queries=m["prefix_queries"], hits=m["prefix_hits"], failed=m["failed_requests"],
+                **summarize(samples, args.warm_up))
+
+
+def run_reloads(model, paths, prompts, args) -> dict:
+    names = list(paths)
+    engine, samples, start = started(model, args), [], time.perf_counter()
+    try:
+        engine.load_adapter("policy", paths[names[0]])
+        for i in range(args.reloads):
+            long = engine.submit(Request(prompts[i % len(prompts)], adapter="policy", max_tokens=args.max_tokens * 4,
+                                         temperature=0, ignore_eos=True))
+            engine.load_adapter("policy", paths[names[(i + 1) % len(names)]], inplace=True)
+            engine.submit(Request(prompts[(i + 1) % len(prompts)], adapter="policy", max_tokens=args.max_tokens,
+                                  temperature=0)).result(600)
+            long.result(600)
+            samples.append(rss_mb())
+        rebuilt(engine, prompts, "policy")  # the last retired revision deleted meanwhile
+        left = [a for a in model.peft_config if "#" in a]
+        m = engine.metrics_snapshot()
+    finally:
+        engine.stop()
+    return dict(reloads=args.reloads, seconds=round(time.perf_counter() - start, 1), revisions_left=left,
+                failed=m["failed_requests"], **summarize(samples, args.warm_up))
+
+
 def table(results: dict) -> str:
     rows = ["| phase | steps | RSS at warm-up (MB) | RSS at end (MB) | max growth after warm-up (MB) | seconds |",
             "|---|---:|---:|---:|---:|---:|"]
     for phase, r in results["phases"].items():  # many: before loading, after unloading, peak - before
         steps = f"{r['requests']} requests" if "requests" in r else f"{r['adapters']} adapters" if "adapters" in r \
-            else f"{r['samples']} cycles"
+            else f"{r['reloads']} reloads" if "reloads" in r else f"{r['samples']} cycles"
         rows.append(f"| {phase} | {steps} | {r['rss_at_warm_up_mb']:.0f} | {r['rss_at_end_mb']:.0f} | "
                     f"{r['max_growth_mb']:.0f} | {r['seconds']:.0f} |")
     return "\n".join(rows)
@@ -184,7 +249,7 @@ def table(results: dict) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--smoke", action="store_true", help="tiny random model: 20 cycles, 6 adapters, 200 + 40 requests")
+    p.add_argument("--smoke", action="store_true", help="tiny random model: 20 cycles, 6 adapters, 200 + 40 requests, 1000 prefixes, 200 reloads")
     p.add_argument("--out", default="benchmarks/results", help="folder for memory.json")
     p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     p.add_argument("--cycles", type=int, default=200)
@@ -204,10 +269,13 @@ def main(argv=None):
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--threads", type=int, help="torch.set_num_threads")
     p.add_argument("--no-trim", action="store_true", help="skip the engine's malloc_trim after adapter changes")
+    p.add_argument("--prefixes", type=int, default=1000, help="prefixes phase: requests, each prompt its own start")
+    p.add_argument("--prefix-cache-bytes", type=int, default=64 << 20, help="prefixes phase: the prefix cache's bound")
+    p.add_argument("--reloads", type=int, default=200, help="reloads phase: reloads in place")
     args = p.parse_args(argv)
     if args.smoke:
         args.cycles, args.requests, args.bounded_requests, args.every, args.bounded_every = 20, 200, 40, 5, 4
-        args.warm_up, args.many = 4, 6
+        args.warm_up, args.many, args.prefixes, args.reloads, args.prefix_cache_bytes = 4, 6, 1000, 200, 1 << 20
         args.max_len, args.num_draft_tokens, args.threads = 64, 2, args.threads or 1
     args.every_cycles = max(1, args.cycles // 10)
     if args.threads:
@@ -233,6 +301,10 @@ def main(argv=None):
                 r = run_many(model, paths, prompts, args)
             elif phase == "requests":
                 r = run_requests(model, prompts, args, names + ["__base__"], args.requests, args.every)
+            elif phase == "prefixes":
+                r = run_prefixes(model, prompts, args, names + ["__base__"])
+            elif phase == "reloads":
+                r = run_reloads(model, paths, prompts, args)
             else:
                 # The model keeps its first adapter (PEFT keeps one); the others are evicted now and
                 # loaded on demand.
@@ -241,7 +313,7 @@ def main(argv=None):
                 r = run_requests(model, prompts, args, names, args.bounded_requests, args.bounded_every,
                                  max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, adapter_paths=paths)
                 r.update(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras)
-                for name in names[1:]:  # as it was, for the phases after
+                for name in names:  # as it was, for the phases after (the first may have been evicted too)
                     if name not in model.peft_config:
                         model.load_adapter(paths[name], adapter_name=name)
             results["phases"][phase] = r

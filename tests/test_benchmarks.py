@@ -61,14 +61,18 @@ def test_memory_benchmark_smoke(tmp_path):
                    check=True, capture_output=True, timeout=600)
     res = json.loads((tmp_path / "memory.json").read_text())
     assert res["command"].startswith("python ") and "--smoke" in res["command"] and res["machine"]
-    assert set(res["phases"]) == {"cycles", "many", "requests", "bounded"}
+    assert set(res["phases"]) == {"cycles", "many", "requests", "bounded", "prefixes", "reloads"}
+    prefixes, reloads = res["phases"]["prefixes"], res["phases"]["reloads"]
+    assert prefixes["requests"] == 1000 and prefixes["failed"] == 0 and prefixes["blocks"] > 0
+    assert 0 < prefixes["peak_cache_bytes"] <= prefixes["prefix_cache_bytes"]  # the bound held
+    assert reloads["reloads"] == 200 and reloads["failed"] == 0 and reloads["revisions_left"] == []
     many = res["phases"]["many"]
     assert many["adapters"] == 6 and len(many["rss_mb"]) == 6 and many["rss_at_end_mb"] > 0
     assert res["phases"]["cycles"]["samples"] == 20
     assert res["phases"]["requests"]["requests"] == 200 and res["phases"]["bounded"]["requests"] == 40
     bounded = res["phases"]["bounded"]
     assert bounded["failed"] == 0 and bounded["loads"] > 0 and bounded["evictions"] > 0
-    for r in (res["phases"][phase] for phase in ("cycles", "requests", "bounded")):
+    for r in (res["phases"][phase] for phase in ("cycles", "requests", "bounded", "prefixes", "reloads")):
         assert len(r["rss_mb"]) == r["samples"] and r["max_growth_mb"] >= 0 and r["rss_at_end_mb"] > 0
 
 

@@ -126,3 +126,19 @@ def test_without_inplace_a_served_name_is_refused(revisions):
         assert {"x", "y"} <= set(model.peft_config)
     finally:
         engine.stop()
+
+
+def test_stopping_mid_request_leaves_no_old_revision(revisions):
+    """A request still decoding on an old revision when the engine stops is cancelled; the model keeps
+    only the names it was given and loaded, no internal one."""
+    model = tiny_peft("llama", adapters=("s", "b"), strength=0.6)
+    engine = Engine(model, max_batch=2, max_len=128, num_draft_tokens=2).start()
+    try:
+        engine.load_adapter("x", revisions[0])
+        busy = engine.submit(Request(list(range(3, 20)), adapter="x", max_tokens=100, temperature=0, ignore_eos=True))
+        wait_for(lambda: busy.status == Status.DECODING)
+        engine.load_adapter("x", revisions[1], inplace=True)
+        assert internal_names(model) == ["x#0"]
+    finally:
+        engine.stop()
+    assert busy.finish_reason == "cancelled" and sorted(model.peft_config) == ["b", "s", "x"]

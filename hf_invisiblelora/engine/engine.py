@@ -402,6 +402,9 @@ class Engine:
                 h._finish("cancelled")
             self._waiting.clear()
         self._fail_commands(NotRunning("The engine stopped before running the command."))
+        if self._thread is None or not self._thread.is_alive():  # no row decodes: the model keeps no old revision
+            for old in list(self._pool.retired):
+                self._pool.retire(old)
 
     def _fail_commands(self, error: Exception) -> None:
         while not self._commands.empty():
