@@ -36,6 +36,7 @@ from .decode.drafters import (
     vocabulary as drafter_vocabulary,
 )
 from .decode.policies import GeneratePolicy
+from .decode.grammar import grammar_masks
 from .decode.processors import ScoreHistory, reads_scores, split_criteria, step_outputs
 from .decode.session import Session, lora_backend as choose_lora_backend
 from .decode.stats import DecodingStats
@@ -187,6 +188,7 @@ def decode(call: Call, inner, input_ids, logits_processor, stopping_criteria, ge
     check_cache(given, input_ids, mask, generation_config, inner)  # first: it explains input_ids of another length
     check_call(generation_config, logits_processor, model_kwargs, input_ids, streamer)
     b, prompt_len = input_ids.shape
+    logits_processor = grammar_masks(logits_processor, prompt_len)
     rows = _expand(names, b)
     stats.adapter_names = rows
     positions = model_kwargs.get("position_ids")

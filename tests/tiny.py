@@ -188,3 +188,18 @@ def synthetic_zoo(strength: float, n_adapters: int = 16, prompt_len: int = 32):
         return torch.randint(3, SMOLLM2_135M["vocab_size"], (n, prompt_len), generator=g).tolist()
 
     return model, names, prompts_for
+
+
+def json_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE tokenizer (every byte a token, merges from JSON-like text; <pad> = 0, <eos> =
+    1), left padding: it can spell any text, so grammars over JSON, regexes and EBNF apply to it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = ['{"name": "ada", "age": 36, "tags": ["a", "b"], "ok": true, "none": null}',
+            '[1, 2, 3.5, -4e2, "x", {"y": false}]', "the quick brown fox jumps over the lazy dog"] * 20
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<eos>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", padding_side="left")

@@ -21,6 +21,7 @@ import torch
 from transformers.generation import logits_process as lp
 
 from .acceptance import accept_greedy, accept_sampling, sample
+from .grammar import GrammarMask
 from .processors import process_scores
 
 # Temperatures below this decode greedily, as in vLLM (its _SAMPLING_EPS). The sample is
@@ -113,7 +114,7 @@ class RowRequest:
 
 class RequestPolicy:
     """Each row its own request (engine.py): greedy (temperature 0) or sampled, its scores processed
-    in vLLM's order: the logit bias, no stop token before ``min_tokens``, the repetition penalty (over
+    in vLLM's order: its grammar's mask (structured outputs), the logit bias, no stop token before ``min_tokens``, the repetition penalty (over
     the request's prompt and output; Transformers' processor, as generate() applies it), presence and
     frequency penalties (over the output), then, when sampling, temperature, top-k, top-p and min-p.
 
@@ -137,6 +138,8 @@ class RequestPolicy:
     def set_request(self, r: int, request, stops=()) -> None:
         """Row r decodes ``request``; ``stops``: its stop token ids, none generated before min_tokens."""
         procs = []
+        if request.grammar is not None:  # the request's stops end its grammar: the output ends with one
+            procs.append(GrammarMask(request.grammar, len(request.prompt), stop_tokens=list(stops) or None))
         if request.logit_bias:
             procs.append(LogitBias(request.logit_bias, self.device))
         if request.min_tokens and len(stops):

@@ -63,7 +63,10 @@ def behaves_as(obj, classes: tuple) -> type | None:
 
 def _only_rows(processor, rows: set[int]):
     """A PrefixConstrainedLogitsProcessor that asks its function only about ``rows`` (the function
-    may reject the contexts of the other rows, which are not at this length)."""
+    may reject the contexts of the other rows, which are not at this length); a GrammarMask that
+    advances only their matchers."""
+    if hasattr(processor, "only_rows"):
+        return processor.only_rows(rows)
     if not isinstance(processor, lp.PrefixConstrainedLogitsProcessor):
         return processor
     fn, beams = processor._prefix_allowed_tokens_fn, processor._num_beams

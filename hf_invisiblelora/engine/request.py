@@ -64,7 +64,10 @@ class Request:
     token's raw log-probability (``Handle.logprobs``); ``prompt_logprobs`` likewise for each prompt
     token after the first (``Handle.prompt_logprobs``, vLLM's). ``on_tokens(tokens)``, if given, is
     called (on the engine's thread) with each chunk of committed tokens; returning True stops the
-    request there (stop strings)."""
+    request there (stop strings). ``grammar``: an xgrammar CompiledGrammar (decode/grammar.py:
+    ``Grammars.compile``) the output must follow: each token is chosen among the tokens it allows
+    (its mask before temperature, top-k, top-p and min-p, as a logits processor in generate()), and
+    the output ends where the grammar ends, with one of the request's stop tokens."""
 
     prompt: list
     adapter: str = BASE
@@ -83,6 +86,7 @@ class Request:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     seed: int | None = None
+    grammar: object = None
     on_tokens: object = None
     id: int = field(default_factory=lambda: next(_ids))
 
@@ -209,6 +213,12 @@ def validate(request: Request, vocab_size: int, max_request_tokens: int) -> None
           f"stop_token_ids holds token id {outside}, which is out of vocabulary (token ids are in [0, {vocab_size})).")
     check(request.seed is None or -(2**63) <= request.seed < 2**64, "seed",  # what torch's generators take
           f"seed must be in [-2**63, 2**64), got {request.seed}.")
+    if request.grammar is not None:
+        info = getattr(request.grammar, "tokenizer_info", None)
+        check(info is not None and type(request.grammar).__name__ == "CompiledGrammar", "grammar",
+              "grammar must be an xgrammar CompiledGrammar (Grammars.compile).")
+        check(info.vocab_size <= vocab_size, "grammar", f"The grammar was compiled for a vocabulary of "
+                                                        f"{info.vocab_size} tokens; the model has {vocab_size}.")
     if len(request.prompt) + request.max_tokens > max_request_tokens:
         raise PromptTooLong("prompt", f"The prompt ({len(request.prompt)} tokens) plus max_tokens "
                             f"({request.max_tokens}) is longer than this server allows ({max_request_tokens} "

@@ -1,0 +1,312 @@
+"""Structured outputs: a grammar's token mask at every position a pass scores, exact under speculation.
+
+Grammars are xgrammar's (a JSON schema, any JSON, a regex, a list of choices, an EBNF grammar),
+compiled for a tokenizer into a ``CompiledGrammar``. Measured against llguidance on SmolLM2's
+vocabulary (docs/benchmarks.md, "Structured outputs"): xgrammar's masks cost a few microseconds a
+position, llguidance's tens, and xgrammar ships the Transformers logits processor that stock
+generate() is run with.
+
+- ``GrammarMask``: a logits processor. Position t of row b may take only the tokens the row's
+  grammar allows after the row's output before t; every other token's score is -inf, as
+  xgrammar's Transformers processor (``xgrammar.contrib.hf.LogitsProcessor``) masks each step of
+  standard decoding. That processor keeps one matcher per row and advances it by the last token
+  at each call, which holds only for calls one step apart. Here the mask is a function of the
+  output: a speculative pass asks about draft positions, then about a shorter output again after
+  a rejection, in any order. Each row's matcher follows the output asked about last: it rolls
+  back to the longest common prefix and accepts the rest; masks are kept per position, so a
+  verify pass reuses the drafts' masks. A position after a token the grammar refuses is never
+  committed (that token's own position masks it out: the target cannot pick it, nor accept it as
+  a draft), so it is left unmasked.
+- ``Grammars``: one tokenizer's compiler for the server: a request's ``GrammarSpec`` compiled in
+  a worker process (grammar_worker.py) bounded in time and memory (a pathological regex or schema
+  is refused, never stalls the server), compiled grammars cached.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from . import grammar_worker as _worker
+from .grammar_worker import compile_spec as _compile_spec
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 1 << 16  # a schema, regex or grammar's text; longer: refused before compiling
+STARTUP_SECONDS = 120
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled: invalid, unsupported, or past the bounds (``param``: the
+    request field it came from, when the caller set it)."""
+
+    param = None
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request constrains its output to. ``kind``: one of KINDS; ``value``: the JSON schema
+    (a dict or its text), the regex, the choices (a list of strings), the EBNF grammar (xgrammar's,
+    GBNF-like: ``root ::= ...``); None for json_object."""
+
+    kind: str
+    value: object = None
+
+    def key(self) -> tuple:
+        """A canonical, hashable form: the cache's key, and what the worker compiles."""
+        if self.kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {self.kind!r}; kinds: {', '.join(KINDS)}")
+        value = self.value
+        if self.kind == "json_schema":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise GrammarError(f"the JSON schema is not JSON: {e}") from None
+            if not isinstance(value, (dict, bool)):
+                raise GrammarError("a JSON schema is an object")
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        elif self.kind == "choice":
+            if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
+                raise GrammarError("choices are a non-empty list of non-empty strings")
+            value = json.dumps(list(value))
+        elif self.kind == "json_object":
+            value = ""
+        elif not isinstance(value, str) or not value:
+            raise GrammarError(f"a {self.kind} is a non-empty string")
+        if len(value) > MAX_SPEC_CHARS:
+            raise GrammarError(f"the {self.kind} is {len(value)} characters; at most {MAX_SPEC_CHARS}")
+        return self.kind, value
+
+
+def compile_spec(compiler, key: tuple):
+    """``key`` (GrammarSpec.key) compiled by an xgrammar GrammarCompiler (grammar_worker.compile_spec:
+    compact JSON, json_object any JSON object)."""
+    return _compile_spec(compiler, *key)
+
+
+class Grammars:
+    """One tokenizer's grammars, compiled one at a time, each first in a worker process
+    (grammar_worker.py): one that takes longer than ``timeout`` seconds there, or needs more than
+    ``max_bytes`` of memory, is refused (GrammarError) and the process killed (a new one starts
+    with the next); one that compiled there is compiled here. Compiled grammars are kept, least
+    recently used dropped past ``cache_bytes``.
+
+    ``vocab_size``: the model's logits' width (xgrammar's TokenizerInfo pads the tokenizer's vocabulary
+    to it: tokens past the tokenizer's are never allowed); ``stop_token_ids``: the tokens a
+    grammar may end with (the request's own stops replace them in the engine)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids=None, timeout: float = 10.0,
+                 max_bytes: int = 1 << 30, cache_bytes: int = 256 << 20):
+        import xgrammar as xgr
+
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self._info_json = self.info.serialize_json()
+        self._compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
+        self.timeout, self.max_bytes, self.cache_bytes = timeout, max_bytes, cache_bytes
+        self._cache: OrderedDict = OrderedDict()  # key -> CompiledGrammar
+        self._cached_bytes = 0
+        self._lock = threading.Lock()  # one compilation at a time; the cache
+        self._process = None
+
+    def start(self) -> "Grammars":
+        """Start the worker now (a second or two: it imports xgrammar), not at the first request's
+        expense."""
+        with self._lock:
+            self._ensure_worker()
+        return self
+
+    def _ensure_worker(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            return
+        self._process = subprocess.Popen([sys.executable, "-P", _worker.__file__, str(self.max_bytes)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         text=True, bufsize=1)
+        self._process.stdin.write(self._info_json + "\n")
+        self._process.stdin.flush()
+        # Its start (importing xgrammar, torch) is not a compilation's time.
+        if self._answer(STARTUP_SECONDS) != ["ready"]:
+            self._kill()
+            raise GrammarError("the grammar compiler's process did not start")
+
+    def _answer(self, timeout: float):
+        """The worker's next line (JSON), or None if none comes within ``timeout`` seconds or it died."""
+        ready, _, _ = select.select([self._process.stdout], [], [], timeout)
+        line = self._process.stdout.readline() if ready else ""
+        return json.loads(line) if line else None
+
+    def _kill(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait(5)
+            for stream in (self._process.stdin, self._process.stdout):
+                stream.close()
+        self._process = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._kill()
+
+    def compile(self, spec: GrammarSpec):
+        """The CompiledGrammar of ``spec``; GrammarError if it is invalid or past the bounds."""
+        key = spec.key()
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            self._ensure_worker()
+            start = time.monotonic()
+            try:
+                self._process.stdin.write(json.dumps(key) + "\n")
+                self._process.stdin.flush()
+            except OSError:
+                pass  # it died: no answer comes
+            answer = self._answer(self.timeout)
+            if answer is None:
+                timed_out = time.monotonic() - start >= self.timeout
+                self._kill()
+                if timed_out:
+                    raise GrammarError(f"the {spec.kind} takes longer than {self.timeout:g} s to compile")
+                raise GrammarError(_worker.MEMORY)
+            if answer[0] != "ok":
+                raise GrammarError(answer[1] if answer[1] == _worker.MEMORY else f"invalid {spec.kind}: {answer[1]}")
+            compiled = compile_spec(self._compiler, key)  # as long as it took there, within the bounds
+            self._cache[key] = compiled
+            self._cached_bytes += compiled.memory_size_bytes
+            while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
+                _, old = self._cache.popitem(last=False)
+                self._cached_bytes -= old.memory_size_bytes
+            return compiled
+
+
+class _Row:
+    """One row's matcher, the output it has accepted, and the mask after each prefix of it."""
+
+    def __init__(self, compiled, stop_tokens):
+        import xgrammar as xgr
+
+        kwargs = {} if stop_tokens is None else dict(override_stop_tokens=list(stop_tokens))
+        self.matcher = xgr.GrammarMatcher(compiled, **kwargs)
+        self.words = xgr.get_bitmask_shape(1, compiled.tokenizer_info.vocab_size)[1]
+        self.tokens: list[int] = []
+        self.masks: list = []  # masks[i]: after tokens[:i], filled when first asked
+        self.ended = False  # the last token accepted ended the grammar: it takes no more
+
+    def mask(self, output: list[int]):
+        """The mask after ``output`` (int32 bitmask [words]), or None if the grammar refuses a token of it."""
+        n = len(self.tokens)
+        common = 0
+        while common < min(n, len(output)) and self.tokens[common] == output[common]:
+            common += 1
+        if self.ended and common == n:  # as xgrammar's processor: an ended matcher keeps its last mask
+            return self._filled(n - 1)
+        if common < n:
+            self.matcher.rollback(n - common)
+            del self.tokens[common:]
+            del self.masks[common + 1:]
+            self.ended = False
+        for t in output[common:]:
+            if not self.matcher.accept_token(t):
+                return None
+            self.tokens.append(t)
+            if self.matcher.is_terminated():
+                self.ended = True
+                return self._filled(len(self.tokens) - 1)
+        return self._filled(len(self.tokens))
+
+    def _filled(self, i: int):
+        """The mask after tokens[:i]: the matcher stands there, or one token past it (ended)."""
+        del self.masks[len(self.tokens) + 1:]
+        self.masks += [None] * (len(self.tokens) + 1 - len(self.masks))
+        if self.masks[i] is None:
+            back = len(self.tokens) - i
+            if back:
+                self.matcher.rollback(back)
+            bitmask = torch.empty(1, self.words, dtype=torch.int32)
+            self.matcher.fill_next_token_bitmask(bitmask)
+            self.masks[i] = bitmask[0]
+            for t in self.tokens[i:]:
+                self.matcher.accept_token(t)
+        return self.masks[i]
+
+
+class GrammarMask:
+    """A logits processor: row b's scores where its grammar allows no token are -inf. Row b's output
+    is ``input_ids[b, prompt_len:]``; ``compiled``: one CompiledGrammar for every row, or one per row
+    (xgrammar's Transformers processor takes the same); ``stop_tokens``: the tokens that end the
+    grammar (None: the compiled grammar's tokenizer's). See the module docstring."""
+
+    def __init__(self, compiled, prompt_len: int, stop_tokens=None):
+        self.compiled = list(compiled) if isinstance(compiled, (list, tuple)) else [compiled]
+        self.prompt_len, self.stop_tokens = prompt_len, stop_tokens
+        import xgrammar as xgr
+
+        self.words = xgr.get_bitmask_shape(1, self.compiled[0].tokenizer_info.vocab_size)[1]
+        self.rows: dict[int, _Row] = {}
+        self.asked = None  # the rows to mask (only_rows); None: all
+
+    def only_rows(self, rows) -> "GrammarMask":
+        """This processor asked about ``rows`` only (the others' results of a call are dropped)."""
+        view = object.__new__(GrammarMask)
+        view.__dict__.update(self.__dict__)
+        view.asked = set(rows)
+        return view
+
+    def _row(self, b: int, batch: int) -> _Row:
+        if b not in self.rows:
+            if len(self.compiled) not in (1, batch):
+                raise RuntimeError(f"{len(self.compiled)} compiled grammars for a batch of {batch} rows: give one, "
+                                   "or one per row")
+            self.rows[b] = _Row(self.compiled[b if len(self.compiled) > 1 else 0], self.stop_tokens)
+        return self.rows[b]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        import xgrammar as xgr
+
+        batch = input_ids.shape[0]
+        bitmask = torch.full((batch, self.words), -1, dtype=torch.int32)  # all bits set: every token allowed
+        for b in range(batch):
+            if self.asked is None or b in self.asked:
+                mask = self._row(b, batch).mask(input_ids[b, self.prompt_len:].tolist())
+                if mask is not None:
+                    bitmask[b] = mask
+        # as xgrammar's processor applies it (on the CPU)
+        target = scores.clone() if scores.device.type == "cpu" else scores.cpu()
+        xgr.apply_token_bitmask_inplace(target, bitmask)
+        return target.to(scores.device)
+
+
+def grammar_masks(processors, prompt_len: int):
+    """generate()'s processors with each xgrammar Transformers processor in them replaced by the
+    GrammarMask that decodes as it does (``from_transformers_processor``), in its place."""
+    from transformers import LogitsProcessorList
+
+    replaced = [from_transformers_processor(p, prompt_len) for p in processors]
+    if not any(r is not None for r in replaced):
+        return processors
+    return LogitsProcessorList([r if r is not None else p for p, r in zip(processors, replaced)])
+
+
+def from_transformers_processor(processor, prompt_len: int) -> GrammarMask | None:
+    """The GrammarMask that decodes as ``processor`` does in standard decoding, if it is xgrammar's
+    Transformers processor (its code unchanged by a subclass), fresh (as xgrammar requires: one per
+    generate() call); else None."""
+    try:
+        from xgrammar.contrib.hf import LogitsProcessor
+    except ImportError:
+        return None
+    from .processors import behaves_as
+
+    if behaves_as(processor, (LogitsProcessor,)) is None:
+        return None
+    if processor.matchers:
+        raise ValueError("this xgrammar LogitsProcessor has been used by a generate() call already; xgrammar "
+                         "wants a new one for each call")
+    return GrammarMask(processor.compiled_grammars, prompt_len)
