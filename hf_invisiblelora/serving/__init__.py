@@ -30,7 +30,8 @@ SIGTERM drains: new requests get 503 while those in flight finish, for up to ``-
 
 Modules, one concept each: ``protocol`` (error objects, request bodies, the request parameters),
 ``text`` (detokenization and stopping), ``bridge`` (a request's choices between the engine's
-thread and asyncio), ``metrics``, ``completions`` (the completion and chat endpoints), ``admin``
+thread and asyncio), ``metrics``, ``structured`` (structured outputs' fields and grammars, tools,
+the tool-call parser), ``completions`` (the completion and chat endpoints), ``admin``
 (loading and unloading adapters), ``front_door`` (request ids, the drain's 503, the API key),
 ``app`` (the Server and the FastAPI app: its routes), ``cli`` (loading and main), ``ray_app`` (the
 same server as N replicas on Ray Serve, requests routed by adapter; the extra ``ray``).

@@ -19,6 +19,7 @@ from .completions import Completions
 from .front_door import REQUEST_ID, FrontDoor, require_key
 from .metrics import Metrics
 from .protocol import MAX_BODY_BYTES, ApiError, internal_error, not_found, shutting_down
+from .structured import GRAMMAR_COMPILE_TIMEOUT, make_grammars
 from .text import prompt_chars_bound
 
 logger = logging.getLogger("hf_invisiblelora.serve")
@@ -31,11 +32,14 @@ class Server(Completions, AdapterAdmin):
     ``root``: the base model's folder; ``adapter_paths``: each adapter's folder (both as given, for
     /v1/models). ``api_key``: None, or what ``Authorization: Bearer`` must carry on /v1; adapters
     load at run time only if ``runtime_updates``, from inside ``lora_roots`` (resolved folders;
-    none: anywhere); bodies of at most ``max_body_bytes``."""
+    none: anywhere); bodies of at most ``max_body_bytes``. Structured outputs' grammars are compiled
+    by ``grammars`` (decode.grammar.Grammars: its process starts with the app's lifespan, or at the
+    first compilation), each within ``grammar_compile_timeout`` seconds."""
 
     def __init__(self, engine, tokenizer, model_id: str, root: str | None = None,
                  adapter_paths: dict[str, str] | None = None, *, api_key: str | None = None,
-                 runtime_updates: bool = False, lora_roots: list[str] = (), max_body_bytes: int = MAX_BODY_BYTES):
+                 runtime_updates: bool = False, lora_roots: list[str] = (), max_body_bytes: int = MAX_BODY_BYTES,
+                 grammar_compile_timeout: float = GRAMMAR_COMPILE_TIMEOUT):
         self.engine, self.tokenizer, self.model_id, self.root = engine, tokenizer, model_id, root
         # Loaded adapters and those being loaded: a name in it is taken (load_adapter).
         self.adapter_paths = dict(adapter_paths or {})
@@ -48,6 +52,27 @@ class Server(Completions, AdapterAdmin):
         self.max_prompt_chars = prompt_chars_bound(tokenizer, engine.max_request_tokens)
         self.draining = False  # SIGTERM: new requests get 503 (Graceful)
         self.active = 0  # HTTP requests being answered (FrontDoor)
+        # None (and why not) where xgrammar is missing or cannot read the tokenizer: structured fields get 400
+        self.grammars, self.grammars_missing = make_grammars(tokenizer, engine.vocab_size, engine.eos_ids,
+                                                             grammar_compile_timeout)
+        self.tools_support: dict = {}  # chat template -> whether it shows tools (template_shows_tools)
+
+    def start_grammars(self) -> None:
+        """Start the grammar compiler's process in the background (its imports take seconds), so the
+        first structured request does not wait for it."""
+        if self.grammars is not None:
+            threading.Thread(target=self._start_grammars, name="hf_invisiblelora-grammars-start", daemon=True).start()
+
+    def _start_grammars(self) -> None:
+        try:
+            self.grammars.start()
+        except Exception:  # noqa: BLE001 - the first compilation tries again, and says so
+            logger.exception("the grammar compiler did not start")
+
+    def close(self) -> None:
+        """Stop what the server runs beside the engine (the grammar compiler's process)."""
+        if self.grammars is not None:
+            self.grammars.close()
 
     # helpers
 
@@ -97,7 +122,9 @@ class Server(Completions, AdapterAdmin):
 def build_app(server: Server, stop_engine_on_shutdown: bool = False):
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        server.start_grammars()
         yield
+        server.close()
         if stop_engine_on_shutdown:
             server.engine.stop()
 

@@ -15,6 +15,7 @@ from ..lora.files import MAX_RANK
 from .admin import missing
 from .app import Server, build_app
 from .protocol import MAX_BODY_BYTES
+from .structured import GRAMMAR_COMPILE_TIMEOUT
 
 logger = logging.getLogger("hf_invisiblelora.serve")
 
@@ -183,6 +184,9 @@ def parser() -> argparse.ArgumentParser:
                         "as a Hugging Face Hub cache (models--org--repo/snapshots/...; offline) for a name org/repo, "
                         "and load it from there (repeatable; files read inside DIR only; vLLM's LoRA resolvers)")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="the largest request body (413 above)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=GRAMMAR_COMPILE_TIMEOUT,
+                   help="seconds a structured output's grammar (a JSON schema, regex, choice list, EBNF grammar, a "
+                        "tool's parameters) may take to compile; longer: refused with a 400")
     p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT,
                    help="on SIGTERM, seconds for the requests in flight to finish before they are ended")
     return p
@@ -197,6 +201,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("the API key must be printable ASCII, without spaces around it (an HTTP header carries it)")
     if args.max_body_bytes < 1 or args.shutdown_timeout < 0:
         p.error("--max-body-bytes must be >= 1 and --shutdown-timeout >= 0")
+    if not 0 < args.grammar_compile_timeout <= 3600:
+        p.error("--grammar-compile-timeout must be in (0, 3600] seconds")
     if any(v is not None and v < 1 for v in (args.max_loras, args.max_cpu_loras, args.max_lora_rank)):
         p.error("--max-loras, --max-cpu-loras and --max-lora-rank must be >= 1")
     if args.prefix_cache_bytes is not None and args.prefix_cache_bytes < 1:
@@ -253,7 +259,7 @@ def build_server(args: argparse.Namespace) -> Server | int:
     lora_roots = [os.path.realpath(root) for root in args.lora_root]
     return Server(engine, tokenizer, model_id, root, adapter_paths, api_key=args.api_key,
                   runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,
-                  max_body_bytes=args.max_body_bytes)
+                  max_body_bytes=args.max_body_bytes, grammar_compile_timeout=args.grammar_compile_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from ..lora.files import AdapterRefused
 from ..model.walk import BASE
 from .bridge import ClientGone, Completion, Job
 from .protocol import ApiError, Sampling, adapter_refused, bad, internal_error, json_body, not_found, show
+from .structured import ToolCalls, compile_constraint, message_tool_calls, supports_tools
 from .text import Stops
 
 logger = logging.getLogger("hf_invisiblelora.serve")
@@ -72,20 +73,51 @@ class Completions:
                 content = "".join(p["text"] for p in content)
             if content is not None and not isinstance(content, str):
                 raise bad("messages", f"messages[{i}].content must be a string or a list of text parts.")
-            plain.append({"role": m["role"], "content": content or ""})
+            entry = {"role": m["role"], "content": content or ""}
+            # tools' turns, as Transformers' chat templates read them
+            if m["role"] == "assistant" and m.get("tool_calls") is not None:
+                entry["tool_calls"] = message_tool_calls(m["tool_calls"], i)
+            for key in ("tool_call_id", "name"):
+                if m.get(key) is not None:
+                    if not isinstance(m[key], str):
+                        raise bad("messages", f"messages[{i}].{key} must be a string.")
+                    entry[key] = m[key]
+            plain.append(entry)
         return plain
+
+    def render_chat(self, messages: list, tools, sampling: Sampling | None = None) -> str:
+        """The chat template's text (the caller holds encode_lock)."""
+        kwargs = {} if tools is None else {"tools": tools}
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=sampling.add_generation_prompt
+                                                  if sampling else True,
+                                                  continue_final_message=sampling.continue_final if sampling else False,
+                                                  tokenize=False, **kwargs)
+
+    def template_shows_tools(self) -> bool:
+        """Whether the chat template renders tools (a probe tool's name in its text), once per template."""
+        template = self.tokenizer.chat_template
+        if template not in self.tools_support:
+            self.tools_support[template] = supports_tools(self.tokenizer, lambda m, t: self.render_chat(m, t))
+        return self.tools_support[template]
 
     def chat_prompt(self, body: dict, sampling: Sampling) -> list[int]:
         plain = self.chat_messages(body)
-        self.check_prompt_chars(sum(len(m["content"]) + len(m["role"]) for m in plain), "messages")
+        tools = sampling.tools.tools if sampling.tools is not None else None
+        extra = sum(len(json.dumps(m["tool_calls"])) for m in plain if "tool_calls" in m)
+        extra += len(json.dumps(tools)) if tools else 0
+        self.check_prompt_chars(sum(len(m["content"]) + len(m["role"]) for m in plain) + extra, "messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "This model's tokenizer has no chat template; use /v1/completions.",
                            param="messages", code="no_chat_template")
         try:
             with self.encode_lock:
-                text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=sampling.add_generation_prompt,
-                                                          continue_final_message=sampling.continue_final,
-                                                          tokenize=False)
+                if tools and not self.template_shows_tools():
+                    raise ApiError(400, "This model's chat template has no format for tools (it does not show them "
+                                   "to the model), so `tools` cannot be served.", param="tools",
+                                   code="tools_unsupported")
+                text = self.render_chat(plain, tools, sampling)
+        except ApiError:
+            raise
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages
             raise ApiError(400, "This model's chat template refused these messages (for example, roles in an order "
                            "it does not accept).", param="messages", code="invalid_value", cause=e) from e
@@ -115,6 +147,13 @@ class Completions:
             return prompt, self.echo_text(body, prompt, sampling, chat)
 
         prompt, prefix = await run_in_threadpool(prepare)
+        grammar = None
+        if sampling.constraint is not None:  # compiled (or refused) before the request waits for a row
+            if self.grammars is None:
+                raise ApiError(400, f"Structured outputs are not served here: {self.grammars_missing}.",
+                               param=sampling.constraint.param.split(".")[0].split("[")[0],
+                               code="unsupported_parameter")
+            grammar = await run_in_threadpool(compile_constraint, self.grammars, sampling.constraint)
         max_tokens = sampling.max_tokens
         if max_tokens is None:
             max_tokens = self.room(len(prompt)) if chat else COMPLETION_DEFAULT_MAX_TOKENS
@@ -129,12 +168,16 @@ class Completions:
         try:
             for i in range(sampling.n):
                 seed = None if sampling.seed is None else sampling.seed + i
-                request = sampling.request(prompt, adapter, max_tokens, seed)
+                request = sampling.request(prompt, adapter, max_tokens, seed, grammar)
                 if i == 0:
                     await run_in_threadpool(self.engine.validate, request)
                 self.check_alive()
-                completion.jobs.append(Job(self, request, stops, i, completion.queue, prefix,
-                                           sampling.token_ids_as_text, sampling.echo_logprobs))
+                tools = sampling.tools
+                job = Job(self, request, stops, i, completion.queue, prefix, sampling.token_ids_as_text,
+                          sampling.echo_logprobs)
+                if tools is not None and tools.mode != "none":
+                    job.tools = ToolCalls(tools.mode, tools.name)
+                completion.jobs.append(job)
         except BaseException as e:
             completion.close()
             if isinstance(e, QueueFull):
@@ -174,7 +217,8 @@ class Completions:
     # responses
 
     def choice(self, job: Job, kind: str, text: str, finish_reason, chunk: bool, first: bool = False,
-               prompt_logprobs: bool = False) -> dict:
+               prompt_logprobs: bool = False, delta: dict | None = None) -> dict:
+        """A choice of the answer, or of a chunk (``delta``: the chunk's fields, else ``text``'s)."""
         logprobs = job.logprobs(kind == "chat", job.shown)
         if kind != "chat":
             out = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -182,9 +226,16 @@ class Completions:
                 out["prompt_logprobs"] = job.prompt_logprobs()
             return out
         if not chunk:
-            return {"index": job.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": finish_reason}
-        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            message = {"role": "assistant", "content": text}
+            if job.tools is not None:
+                message["content"], calls, finish_reason = job.tools.result(text, finish_reason)
+                if calls:
+                    message["tool_calls"] = calls
+            return {"index": job.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        if first:  # a tool call's content may turn out null: the first chunk does not say ""
+            delta = {"role": "assistant", "content": None if job.tools is not None else text}
+        elif delta is None:
+            delta = {"content": text} if text else {}
         return {"index": job.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def response(self, completion: Completion, kind: str, choices: list, chunk: bool) -> dict:
@@ -237,14 +288,21 @@ class Completions:
                 for job in completion.jobs:
                     yield sse([self.choice(job, kind, "", None, chunk=True, first=True)])
             async for job, delta, shown in completion.chunks():
-                if delta or (job.handle.request.logprobs is not None and job.logprobs_sent < shown):
-                    yield sse([self.choice(job, kind, delta, None, chunk=True)])
+                fields = job.tools.feed(delta) if job.tools is not None and kind == "chat" else None
+                if (fields if fields is not None else delta) or \
+                        (job.handle.request.logprobs is not None and job.logprobs_sent < shown):
+                    yield sse([self.choice(job, kind, delta, None, chunk=True, delta=fields)])
             error = self.failure(completion, request_id)
             if error:
                 yield f"data: {json.dumps(error.body())}\n\n"
             else:
                 for job in completion.jobs:
-                    yield sse([self.choice(job, kind, "", job.finish_reason, chunk=True)])
+                    reason = job.finish_reason
+                    if job.tools is not None and kind == "chat":  # what the text held back says
+                        rest, reason = job.tools.finish(job.text.text, reason)
+                        for fields in rest:
+                            yield sse([self.choice(job, kind, "", None, chunk=True, delta=fields)])
+                    yield sse([self.choice(job, kind, "", reason, chunk=True)])
                 if sampling.include_usage:
                     yield sse([], usage=True)
         except Exception:  # noqa: BLE001 - the response has started: the client gets an error event, the log the rest

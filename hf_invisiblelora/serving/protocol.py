@@ -193,16 +193,19 @@ def _flag(body: dict, name: str) -> bool:
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids",
                  "include_stop_str_in_output", "stream", "stream_options", "min_tokens", "ignore_eos",
                  "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-                 "prompt_logprobs", "echo", "user", "return_tokens_as_token_ids"}
+                 "prompt_logprobs", "echo", "user", "return_tokens_as_token_ids",
+                 # structured outputs (structured.py): OpenAI's, vLLM's, vLLM's older ones
+                 "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar", "guided_decoding_backend"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
-                               "continue_final_message"}
+                               "continue_final_message", "tools", "tool_choice"}
 NEUTRAL = {"best_of": (1,),
            "suffix": ("",), "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
            "use_beam_search": (False,), "truncate_prompt_tokens": (),
-           "return_token_ids": (False,), "structured_outputs": (), "guided_json": (), "guided_regex": (),
-           "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (), "response_format": (),
-           "skip_special_tokens": (True,), "chat_template": (), "chat_template_kwargs": (), "parallel_tool_calls": ()}
+           "return_token_ids": (False,), "skip_special_tokens": (True,), "chat_template": (),
+           "chat_template_kwargs": (), "parallel_tool_calls": ()}
+CHAT_NEUTRAL = {"parallel_tool_calls": (True,)}  # a chat's tool calls may be several (false is not served)
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 MAX_N = 16  # choices per request: each takes a row of the engine
 
@@ -218,9 +221,9 @@ class Sampling:
                 shown = name if len(name) <= 64 and name.isprintable() else show(name)
                 raise ApiError(400, f"Unknown parameter `{shown}`.", param=shown, code="unsupported_parameter")
         for name, allowed in NEUTRAL.items():
-            if name == "response_format" and chat:
-                allowed = ({"type": "text"},)
-            _unsupported(body, name, (None, *allowed))
+            if name in known:
+                continue
+            _unsupported(body, name, (None, *(CHAT_NEUTRAL.get(name, allowed) if chat else allowed)))
         self.n = _number(body, "n", 1, integer=True)
         if not 1 <= self.n <= MAX_N:
             raise bad("n", f"`n` must be in [1, {MAX_N}], got {self.n}.")
@@ -297,12 +300,35 @@ class Sampling:
             self.fields["prompt_logprobs"] = "logprobs"
         else:
             self.engine_prompt_logprobs = self.prompt_logprobs
+        self._structured(body, chat)
 
-    def request(self, prompt: list[int], adapter: str, max_tokens: int, seed):
-        """The engine's Request for one choice."""
+    def _structured(self, body: dict, chat: bool) -> None:
+        """``constraint``: what the output is compiled to (a structured.Constraint), from at most one
+        of response_format, structured_outputs, guided_* and a chat's tool_choice required / named;
+        ``tools``: a chat's tools (structured.Tools), or None."""
+        from . import structured  # it uses this module's errors
+
+        constraints = structured.output_constraints(body)
+        self.tools = structured.parse_tools(body) if chat else None
+        if self.tools is not None and self.tools.constraint is not None:
+            constraints.insert(0, self.tools.constraint)
+        if len(constraints) > 1:
+            first, second = constraints[0], constraints[1]
+            what = "tool_choice" if first.param.startswith("tools") else f"`{first.param.split('.')[0]}`"
+            raise ApiError(400, f"`{second.param.split('.')[0]}` and {what} both constrain the output; give one.",
+                           param=second.param.split(".")[0], code="invalid_value")
+        self.constraint = constraints[0] if constraints else None
+        if self.constraint is not None:
+            self.fields["grammar"] = self.constraint.param
+        if self.tools is not None and self.tools.mode != "none" and self.echo:
+            raise ApiError(400, "`echo` is not served with tools (with tool_choice \"none\" it is).", param="echo",
+                           code="unsupported_parameter")
+
+    def request(self, prompt: list[int], adapter: str, max_tokens: int, seed, grammar=None):
+        """The engine's Request for one choice (``grammar``: the constraint's CompiledGrammar)."""
         return Request(prompt, adapter=adapter, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                        presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                        logit_bias=self.logit_bias, min_tokens=self.min_tokens,
                        stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos, logprobs=self.logprobs,
-                       prompt_logprobs=self.engine_prompt_logprobs, seed=seed)
+                       prompt_logprobs=self.engine_prompt_logprobs, seed=seed, grammar=grammar)

@@ -140,7 +140,8 @@ class LoRAReplica:
         if isinstance(server, int):
             raise RuntimeError(f"the replica's server could not start (exit code {server}; see its log)")
         self.server = server
-        self.app = cli.build_app(server)
+        self.app = cli.build_app(server)  # its lifespan does not run here: the grammar compiler starts now
+        server.start_grammars()
         self.replica = serve.get_replica_context().replica_id.unique_id
 
         async def hold(name: str) -> str:
@@ -166,6 +167,7 @@ class LoRAReplica:
     def __del__(self):
         server = getattr(self, "server", None)
         if server is not None:
+            server.close()
             server.engine.stop()
 
 

@@ -1,0 +1,424 @@
+"""Structured outputs and tools on the API: the request fields that constrain an output to a grammar
+(OpenAI's ``response_format``, vLLM's ``structured_outputs`` and its older ``guided_*`` fields),
+``tools`` and ``tool_choice`` on a chat, the Hermes-style tool-call parser, and a chat answer's tool
+calls, whole or streamed. The grammars themselves are decode/grammar.py's (xgrammar), compiled by
+the server's ``Grammars`` off the event loop before a request is submitted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+from dataclasses import dataclass, field
+
+from ..decode.grammar import GrammarError, Grammars, GrammarSpec
+from .protocol import ApiError, bad, show
+from .text import held_tail
+
+logger = logging.getLogger("hf_invisiblelora.serve")
+
+GRAMMAR_COMPILE_TIMEOUT = 10.0  # --grammar-compile-timeout, seconds
+
+# vLLM's structured_outputs keys -> GrammarSpec kinds
+STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                   "json_object": "json_object"}
+GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS, "guided_decoding_backend")
+BACKENDS = ("xgrammar", "auto")  # guided_decoding_backend: what we are; anything else is refused
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+PROBE_TOOL = "hf_invisiblelora_probe_tool"  # rendered to see whether a chat template shows tools
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output is compiled to: the field it came from (``param``: errors name it)
+    and its grammar. ``parts``: for tool_choice "required", each tool's parameters (param, spec),
+    compiled one by one to name the tool when the whole does not compile."""
+
+    param: str
+    spec: GrammarSpec
+    parts: tuple = ()
+
+
+def _constraint(param: str, kind: str, value) -> Constraint:
+    spec = GrammarSpec(kind, value)
+    try:
+        spec.key()  # types and size, before anything is compiled
+    except GrammarError as e:
+        raise bad(param, f"`{param}`: {e}.") from None
+    return Constraint(param, spec)
+
+
+def _response_format(value) -> Constraint | None:
+    param = "response_format"
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad(param, "`response_format` must be an object with a `type`: \"text\", \"json_object\" or "
+                         "\"json_schema\".")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint(param, GrammarSpec("json_object"))
+    if kind != "json_schema":
+        raise ApiError(400, f"`response_format.type` {show(kind)} is not supported; the types are \"text\", "
+                       "\"json_object\" and \"json_schema\".", param=param, code="unsupported_parameter")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad(param, "`response_format.json_schema` must be an object with a `schema` (and a `name`).")
+    for key, types, what in (("name", str, "a string"), ("description", str, "a string"),
+                             ("strict", bool, "a boolean")):
+        if spec.get(key) is not None and not isinstance(spec[key], types):
+            raise bad(param, f"`response_format.json_schema.{key}` must be {what}.")
+    schema = spec.get("schema")
+    if not isinstance(schema, (dict, bool)):
+        raise bad(param, "`response_format.json_schema.schema` must be a JSON schema (an object).")
+    return _constraint(param, "json_schema", schema)  # strict or not: the schema is the constraint
+
+
+def _structured_outputs(value) -> Constraint | None:
+    if not isinstance(value, dict):
+        raise bad("structured_outputs", "`structured_outputs` must be an object with one of "
+                                        f"{', '.join(STRUCTURED_KEYS)}.")
+    given = {}
+    for key, v in value.items():
+        param = f"structured_outputs.{key}" if isinstance(key, str) and len(key) <= 64 else "structured_outputs"
+        if key not in STRUCTURED_KEYS:
+            raise ApiError(400, f"`{param}` is not supported; the keys are {', '.join(STRUCTURED_KEYS)}.",
+                           param=param, code="unsupported_parameter")
+        if key == "json_object":
+            if v is not None and not isinstance(v, bool):
+                raise bad(param, f"`{param}` must be a boolean.")
+            v = True if v else None
+        if key == "json" and not isinstance(v, (dict, str, bool, type(None))):
+            raise bad(param, f"`{param}` must be a JSON schema (an object, or its JSON text).")
+        if v is not None:
+            given[key] = v
+    if len(given) > 1:
+        raise bad("structured_outputs", f"`structured_outputs` takes one constraint; got {', '.join(given)}.")
+    if not given:
+        return None
+    (key, v), = given.items()
+    param = f"structured_outputs.{key}"
+    return Constraint(param, GrammarSpec("json_object")) if key == "json_object" else \
+        _constraint(param, STRUCTURED_KEYS[key], v)
+
+
+def output_constraints(body: dict) -> list[Constraint]:
+    """The constraints the request's structured-output fields ask for (checked, not compiled): none,
+    one, or more (which the caller refuses)."""
+    found = []
+    if body.get("response_format") is not None:
+        found.append(_response_format(body["response_format"]))
+    if body.get("structured_outputs") is not None:
+        found.append(_structured_outputs(body["structured_outputs"]))
+    for name, kind in GUIDED_FIELDS.items():
+        if body.get(name) is not None:
+            if kind == "json_schema" and not isinstance(body[name], (dict, str, bool)):
+                raise bad(name, f"`{name}` must be a JSON schema (an object, or its JSON text).")
+            found.append(_constraint(name, kind, body[name]))
+    backend = body.get("guided_decoding_backend")
+    if backend is not None and backend not in BACKENDS:
+        raise ApiError(400, f"`guided_decoding_backend` {show(backend)} is not served; this server's is xgrammar "
+                       "(\"xgrammar\" or \"auto\").", param="guided_decoding_backend", code="unsupported_parameter")
+    return [c for c in found if c is not None]
+
+
+# --- tools ---
+
+
+@dataclass
+class Tools:
+    """A chat's ``tools`` (as the chat template takes them) and ``tool_choice``: ``mode`` "none",
+    "auto", "required" or "named" (``name``: the function); ``constraint``: what required and named
+    compile the output to."""
+
+    tools: list
+    mode: str
+    name: str | None = None
+    constraint: Constraint | None = None
+    names: list = field(default_factory=list)
+
+
+def parse_tools(body: dict) -> Tools | None:
+    """The chat's tools and tool_choice, checked (400 naming the field); None without tools."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is not None and not isinstance(tools, list):
+        raise bad("tools", "`tools` must be a list of {\"type\": \"function\", \"function\": {...}} objects.")
+    if not tools:
+        if choice not in (None, "none"):
+            raise bad("tool_choice", "`tool_choice` needs `tools`.")
+        return None
+    rendered, names, schemas = [], [], []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise bad(where, f"`{where}` must be {{\"type\": \"function\", \"function\": {{\"name\", \"description\", "
+                             "\"parameters\"}}.")
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise bad(f"{where}.function.name", f"`{where}.function.name` must be 1-64 letters, digits, _ . : or -.")
+        if name in names:
+            raise bad(f"{where}.function.name", f"Two tools are named {name!r}.")
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise bad(f"{where}.function.description", f"`{where}.function.description` must be a string.")
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
+            raise bad(f"{where}.function.strict", f"`{where}.function.strict` must be a boolean.")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise bad(f"{where}.function.parameters", f"`{where}.function.parameters` must be a JSON schema (an "
+                                                      "object).")
+        names.append(name)
+        schemas.append(parameters)
+        entry = {"name": name}
+        for key in ("description", "parameters"):
+            if function.get(key) is not None:
+                entry[key] = function[key]
+        rendered.append({"type": "function", "function": entry})
+    if choice is None or choice in ("auto", "none"):
+        return Tools(rendered, choice or "auto", names=names)
+    if choice == "required":
+        # vLLM's: a JSON array of one or more {"name": <a tool's name>, "parameters": <its parameters>}
+        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]},
+                                                    "parameters": s if s is not None else {"type": "object"}},
+                  "required": ["name", "parameters"]} for n, s in zip(names, schemas)]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        parts = tuple((f"tools[{i}].function.parameters", GrammarSpec("json_schema", s))
+                      for i, s in enumerate(schemas) if s is not None)
+        return Tools(rendered, "required", constraint=Constraint("tools", GrammarSpec("json_schema", schema), parts),
+                     names=names)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise bad("tool_choice", f"`tool_choice` names the function {show(name)}, which is not in `tools`.")
+        i = names.index(name)
+        schema = schemas[i] if schemas[i] is not None else {"type": "object"}
+        return Tools(rendered, "named", name=name, names=names,
+                     constraint=_constraint(f"tools[{i}].function.parameters", "json_schema", schema))
+    raise bad("tool_choice", "`tool_choice` must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                             "\"function\": {\"name\": ...}}.")
+
+
+def message_tool_calls(calls, i: int) -> list:
+    """An assistant message's ``tool_calls`` as chat templates read them: each call's arguments (a
+    JSON string in the API) parsed into an object where they are one, as most templates want."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad("messages", f"`{where}` must be a list of tool calls.")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or \
+                not isinstance(function.get("arguments", ""), (str, dict)):
+            raise bad("messages", f"`{where}[{j}]` must be {{\"id\", \"type\": \"function\", \"function\": "
+                                  "{\"name\", \"arguments\"}}.")
+        arguments = function.get("arguments", "")
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                parsed = None
+            arguments = parsed if isinstance(parsed, dict) else arguments
+        entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+def supports_tools(tokenizer, render) -> bool:
+    """Whether the tokenizer's chat template shows tools: a probe tool rendered by ``render(messages,
+    tools)`` must appear in its text."""
+    probe = [{"type": "function", "function": {"name": PROBE_TOOL, "description": "probe",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    try:
+        text = render([{"role": "user", "content": "hi"}], probe)
+    except Exception:  # noqa: BLE001 - a template that fails with tools has no tool format we can use
+        return False
+    return PROBE_TOOL in text
+
+
+# --- the compiler ---
+
+
+_XGRAMMAR_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+?:\d+: ")  # xgrammar's "[time] file.cc:line: " before its words
+
+
+def grammar_message(error: GrammarError, spec: GrammarSpec) -> str:
+    """A GrammarError in the API's words: xgrammar's own message without its time and source
+    location; C++'s bad_alloc (the compiling process's memory bound) said as such."""
+    text = _XGRAMMAR_PREFIX.sub("", str(error))
+    if "bad_alloc" in text:
+        return f"compiling the {spec.kind} needs more memory than a grammar may use"
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+def make_grammars(tokenizer, vocab_size: int, stop_token_ids, timeout: float):
+    """(Grammars or None, why not): None where xgrammar is not installed or cannot read the tokenizer."""
+    try:
+        return Grammars(tokenizer, vocab_size, stop_token_ids=stop_token_ids, timeout=timeout), None
+    except ImportError:
+        return None, "xgrammar is not installed (pip install \"hf-invisiblelora[structured]\")"
+    except Exception as e:  # noqa: BLE001 - a tokenizer xgrammar cannot read: served without structured outputs
+        logger.warning("structured outputs are off: xgrammar cannot read this tokenizer (%s)", e)
+        return None, "xgrammar cannot read this model's tokenizer"
+
+
+def compile_constraint(grammars: Grammars, constraint: Constraint):
+    """The CompiledGrammar of ``constraint`` (call it off the event loop); a 400 naming the field
+    for an invalid, unsupported or too costly one. For tool_choice "required", a failure is traced
+    to the tool whose parameters do not compile where one does not."""
+    try:
+        return grammars.compile(constraint.spec)
+    except GrammarError as e:
+        param, error, spec = constraint.param, e, constraint.spec
+        if constraint.parts and str(e).startswith("invalid") and "bad_alloc" not in str(e):
+            for part, part_spec in constraint.parts:
+                try:
+                    grammars.compile(part_spec)
+                except GrammarError as e2:
+                    param, error, spec = part, e2, part_spec
+                    break
+        raise ApiError(400, f"`{param}` cannot be served: {grammar_message(error, spec)}.", param=param,
+                       code="invalid_value") from None
+
+
+# --- a chat answer's tool calls ---
+
+
+TOOL_CALL_OPEN = "<tool_call>"
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+
+
+def _call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def _hermes_call(body: str):
+    """(name, arguments as JSON text) of one block's ``{"name": ..., "arguments": {...}}``, or None."""
+    try:
+        call = json.loads(body.strip())
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return None
+    arguments = call.get("arguments", {})
+    if not isinstance(arguments, dict):
+        return None
+    return call["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def parse_hermes(text: str):
+    """(content, [(name, arguments)]) of a Hermes-style output (vLLM's ``--tool-call-parser hermes``):
+    each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block (whitespace inside
+    allowed; the last one may lack its closing tag) is a call; a block that does not parse stays in
+    the text. Without calls, the content is the text; with some, the text less their blocks, None
+    if that is only whitespace."""
+    calls, kept, pos = [], [], 0
+    for m in _HERMES.finditer(text):
+        call = _hermes_call(m.group(1) if m.group(1) is not None else m.group(2))
+        if call is None:
+            continue
+        kept.append(text[pos:m.start()])
+        pos = m.end()
+        calls.append(call)
+    if not calls:
+        return text, []
+    kept.append(text[pos:])
+    content = "".join(kept)
+    return (content if content.strip() else None), calls
+
+
+def parse_required(text: str):
+    """[(name, arguments)] of tool_choice "required"'s output (a JSON array of {"name", "parameters"}),
+    or None if it is not one (cut short by max_tokens or a stop string)."""
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(calls, list) or not calls or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c for c in calls):
+        return None
+    return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+
+
+class ToolCalls:
+    """One choice's tool calls, read from its text by its chat's tool_choice (``mode``): "auto"
+    (parse_hermes), "required" (parse_required) or "named" (the text is the named function's
+    arguments). ``result`` gives the answer's (content, tool_calls, finish_reason); streaming,
+    ``feed`` gives each delta's fields as the text comes and ``finish`` the rest, so that the
+    pieces join up to ``result``: auto streams content up to the first ``<tool_call>`` (and holds
+    back text that is only whitespace, which may turn out null), required holds everything back,
+    named streams the arguments as they come.
+
+    finish_reason: "tool_calls" where auto or required returned calls (vLLM's); a named function's
+    is the output's own ("stop", or "length"), as OpenAI's and vLLM's."""
+
+    def __init__(self, mode: str, name: str | None = None):
+        self.mode, self.name = mode, name
+        self.text = ""
+        self.sent = 0  # auto: content characters sent
+        self.named_id = _call_id() if mode == "named" else None
+        self.header_sent = False  # named: the call's id and name sent
+
+    @staticmethod
+    def _calls(pairs, ids=None) -> list:
+        return [{"id": ids[i] if ids else _call_id(), "type": "function", "function": {"name": n, "arguments": a}}
+                for i, (n, a) in enumerate(pairs)]
+
+    def result(self, text: str, finish_reason):
+        """(content, tool_calls or None, finish_reason) of the whole text."""
+        if self.mode == "named":
+            return None, self._calls([(self.name, text)], [self.named_id]), finish_reason
+        if self.mode == "required":
+            pairs = parse_required(text)
+            if pairs is None:
+                return text, None, finish_reason
+            return None, self._calls(pairs), "tool_calls" if finish_reason == "stop" else finish_reason
+        content, pairs = parse_hermes(text)
+        if not pairs:
+            return content, None, finish_reason
+        return content, self._calls(pairs), "tool_calls"
+
+    def _header(self, arguments: str) -> dict:
+        self.header_sent = True
+        return {"tool_calls": [{"index": 0, "id": self.named_id, "type": "function",
+                                "function": {"name": self.name, "arguments": arguments}}]}
+
+    def feed(self, delta: str) -> dict:
+        """The fields of the delta for a new piece of text ({} when nothing can be sent yet)."""
+        if not delta:
+            return {}
+        self.text += delta
+        if self.mode == "named":
+            if not self.header_sent:
+                return self._header(delta)
+            return {"tool_calls": [{"index": 0, "function": {"arguments": delta}}]}
+        if self.mode == "required":
+            return {}
+        cut = self.text.find(TOOL_CALL_OPEN)
+        safe = cut if cut >= 0 else len(self.text) - held_tail(self.text, [TOOL_CALL_OPEN])
+        if safe <= self.sent or not self.text[:safe].strip():
+            return {}
+        piece, self.sent = self.text[self.sent:safe], safe
+        return {"content": piece}
+
+    def finish(self, text: str, finish_reason):
+        """(the deltas' fields still to send, finish_reason) once the text is whole."""
+        content, calls, reason = self.result(text, finish_reason)
+        if self.mode == "named":
+            return ([] if self.header_sent else [self._header("")]), reason
+        deltas = []
+        if content is not None:
+            rest = content[self.sent:]
+            if rest or not self.sent:
+                deltas.append({"content": rest})
+        for i, call in enumerate(calls or ()):
+            function = call["function"]
+            deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                           "function": {"name": function["name"], "arguments": ""}}]})
+            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]})
+        return deltas, reason
