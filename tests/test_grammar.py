@@ -141,13 +141,22 @@ def test_drafts_are_proposed_under_the_mask(model, compiler):
     assert per["acceptance"] > 0.9 and sum(ours.stats.drafted) > 20
 
 
-def test_a_used_processor_is_refused(model, compiler):
+def test_a_used_processor_or_a_changed_one_is_refused(model, compiler):
     processor = LogitsProcessor(compiled(compiler, "regex", "[a-z]+"))
     ids = prompts(1)
     model.generate(input_ids=ids, adapter_names=["s"], max_new_tokens=3, logits_processor=[processor], pad_token_id=PAD)
     with pytest.raises(ValueError, match="used by a generate"):
         model.generate(input_ids=ids, adapter_names=["s"], max_new_tokens=3, logits_processor=[processor],
                        pad_token_id=PAD, invisible_lora=True)
+
+    class Counting(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().__call__(input_ids, scores)
+
+    with pytest.raises(ValueError, match="changes xgrammar"):
+        model.generate(input_ids=ids, adapter_names=["s"], max_new_tokens=3, pad_token_id=PAD, invisible_lora=True,
+                       logits_processor=[Counting(compiled(compiler, "regex", "[a-z]+"))])
 
 
 CHOICES = ["ab", "ba", "abc", "c", "bb"]
@@ -209,7 +218,7 @@ def test_mask_is_a_function_of_the_output(compiler, tok):
     mask = GrammarMask(grammar, prompt_len=2)
     scores = torch.zeros(1, len(tok))
     for n in [3, 1, len(valid), 0, 5, 2, len(valid) - 1, 4]:
-        got = mask(torch.tensor([[7, 8] + valid[:n]]), scores)
+        got = mask(torch.tensor([[7, 8] + valid[:n]]), scores.clone())  # masked in place, as xgrammar's
         matcher = xgr.GrammarMatcher(grammar)
         for t in valid[:n]:
             assert matcher.accept_token(t)
@@ -221,7 +230,7 @@ def test_mask_is_a_function_of_the_output(compiler, tok):
         xgr.apply_token_bitmask_inplace(want, bitmask)
         assert torch.equal(got, want), n
     refused = tok('{"x', add_special_tokens=False).input_ids
-    assert torch.equal(mask(torch.tensor([[7, 8] + refused]), scores), scores)
+    assert torch.equal(mask(torch.tensor([[7, 8] + refused]), scores.clone()), scores)
 
 
 def test_engine_mixed_batch_decodes_as_stock(model, tok, compiler):

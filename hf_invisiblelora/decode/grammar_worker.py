@@ -19,7 +19,8 @@ MEMORY = "compiling it needs more memory than a grammar may use"
 
 def compile_spec(compiler, kind: str, value: str):
     """One grammar key compiled; grammar.compile_spec defers to this (one definition of what each kind means).
-    JSON is compact, as OpenAI's models write it; json_object is any JSON object (OpenAI's, vLLM's)."""
+    JSON on one line, as json.dumps writes it (", " and ": " between items, no other whitespace);
+    json_object is any JSON object (OpenAI's, vLLM's)."""
     if kind == "json_schema":
         return compiler.compile_json_schema(value, any_whitespace=False, strict_mode=True)
     if kind == "json_object":
