@@ -262,6 +262,14 @@ def test_engine_mixed_batch_decodes_as_stock(model, tok, compiler):
     assert tok.decode(got[2][:-1]) in ["alpha", "beta", "gamma"] and got[2][-1] in eos
 
 
+def test_engine_refuses_min_tokens_with_a_grammar(model, tok, compiler):
+    """Where a grammar ends only stop tokens are allowed, which min_tokens blocks."""
+    engine = Engine(model, max_batch=2, max_len=64)
+    with pytest.raises(ValueError, match="min_tokens") as e:
+        engine.validate(Request([5, 6], adapter="s", min_tokens=3, grammar=compiled(compiler, "choice", ["a"])))
+    assert e.value.param == "min_tokens"
+
+
 def test_engine_seeded_sampling_under_a_grammar_does_not_depend_on_the_batch(model, tok):
     engine = Engine(model, max_batch=4, max_len=96, num_draft_tokens=2).start()
     try:

@@ -185,8 +185,8 @@ def test_continuous_usage_stats(client):
 
 @pytest.mark.parametrize("field, value", [
     ("prompt_logprobs", 21), ("use_beam_search", True), ("truncate_prompt_tokens", 4), ("return_token_ids", True),
-    ("structured_outputs", {"json": {}}), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
-    ("guided_choice", ["a"]), ("response_format", {"type": "json_object"}), ("best_of", 2), ("suffix", "x"),
+    ("structured_outputs", {"json": {}, "regex": "a+"}), ("guided_json", 5), ("guided_regex", "[a-"),
+    ("guided_choice", []), ("response_format", {"type": "xml"}), ("best_of", 2), ("suffix", "x"),
     ("presence_penalty", 2.5), ("frequency_penalty", "x"), ("logit_bias", {"3": 500}), ("skip_special_tokens", False),
     ("made_up_field", 1), ("min_p", 2), ("repetition_penalty", 0), ("min_tokens", 9), ("stop_token_ids", [64]),
     ("stop_token_ids", "x"), ("ignore_eos", "yes"), ("stream_options", {"include_usage": True}),
@@ -201,7 +201,7 @@ def test_every_other_field_is_refused_by_name(server, field, value):
 
 @pytest.mark.parametrize("field, value", [
     ("echo", True), ("continue_final_message", True), ("top_logprobs", 2), ("made_up_field", None),
-    ("guided_choice", ["a"]), ("response_format", {"type": "json_schema", "json_schema": {}})])
+    ("guided_choice", "a"), ("response_format", {"type": "json_schema", "json_schema": {}})])
 def test_chat_fields_refused_by_name(server, field, value):
     messages = [{"role": "user", "content": "hi"}]
     body = {"model": "s", "messages": messages, "max_tokens": 2, field: value}

@@ -113,7 +113,8 @@ class Grammars:
         self.timeout, self.max_bytes, self.cache_bytes = timeout, max_bytes, cache_bytes
         self._cache: OrderedDict = OrderedDict()  # key -> CompiledGrammar
         self._cached_bytes = 0
-        self._lock = threading.Lock()  # one compilation at a time; the cache
+        self._lock = threading.Lock()  # one compilation at a time
+        self._cache_lock = threading.Lock()  # a cached grammar does not wait for a compilation
         self._process = None
 
     def start(self) -> "Grammars":
@@ -157,10 +158,14 @@ class Grammars:
     def compile(self, spec: GrammarSpec):
         """The CompiledGrammar of ``spec``; GrammarError if it is invalid or past the bounds."""
         key = spec.key()
-        with self._lock:
+        with self._cache_lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
+        with self._lock:
+            with self._cache_lock:  # compiled meanwhile by the call this one waited for
+                if key in self._cache:
+                    return self._cache[key]
             self._ensure_worker()
             start = time.monotonic()
             try:
@@ -178,11 +183,12 @@ class Grammars:
             if answer[0] != "ok":
                 raise GrammarError(answer[1] if answer[1] == _worker.MEMORY else f"invalid {spec.kind}: {answer[1]}")
             compiled = compile_spec(self._compiler, key)  # as long as it took there, within the bounds
-            self._cache[key] = compiled
-            self._cached_bytes += compiled.memory_size_bytes
-            while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
-                _, old = self._cache.popitem(last=False)
-                self._cached_bytes -= old.memory_size_bytes
+            with self._cache_lock:
+                self._cache[key] = compiled
+                self._cached_bytes += compiled.memory_size_bytes
+                while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
+                    _, old = self._cache.popitem(last=False)
+                    self._cached_bytes -= old.memory_size_bytes
             return compiled
 
 

@@ -219,6 +219,9 @@ def validate(request: Request, vocab_size: int, max_request_tokens: int) -> None
               "grammar must be an xgrammar CompiledGrammar (Grammars.compile).")
         check(info.vocab_size <= vocab_size, "grammar", f"The grammar was compiled for a vocabulary of "
                                                         f"{info.vocab_size} tokens; the model has {vocab_size}.")
+        # Where the grammar ends it allows only stop tokens, which min_tokens blocks: no token is left.
+        check(not request.min_tokens, "min_tokens", "min_tokens cannot be combined with a structured output (its "
+                                                    "grammar may end before them).")
     if len(request.prompt) + request.max_tokens > max_request_tokens:
         raise PromptTooLong("prompt", f"The prompt ({len(request.prompt)} tokens) plus max_tokens "
                             f"({request.max_tokens}) is longer than this server allows ({max_request_tokens} "
