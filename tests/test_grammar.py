@@ -299,7 +299,9 @@ def test_grammars_are_validated_bounded_and_cached(tok):
                               (GrammarSpec("grammar", "root ::= undefined_rule"), "invalid grammar"),
                               (GrammarSpec("choice", []), "non-empty"),
                               (GrammarSpec("regex", "a" * 70000), "at most"),
-                              (GrammarSpec("nonsense", "x"), "unknown grammar kind")]:
+                              (GrammarSpec("nonsense", "x"), "unknown grammar kind"),
+                              (GrammarSpec("json_schema", "[" * 60000), "deeper than"),
+                              (GrammarSpec("json_schema", '{"items":' * 200 + "{}" + "}" * 200), "deeper than")]:
             with pytest.raises(GrammarError, match=message):
                 grammars.compile(spec)
         # 2000 rules: 0.1 s on this 320-token vocabulary (measured), seconds on a real one's

@@ -41,6 +41,18 @@ from .grammar_worker import compile_spec as _compile_spec
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 16  # a schema, regex or grammar's text; longer: refused before compiling
 STARTUP_SECONDS = 120
+MAX_SCHEMA_DEPTH = 128  # JSON levels of a schema (a body's own JSON nests at most 32: deeper ones come as text)
+
+
+def _depth(value) -> int:
+    """How deeply a JSON value nests (iteratively: a deep one does not exhaust Python's stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        if d <= MAX_SCHEMA_DEPTH:
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()))
+    return deepest
 
 
 class GrammarError(ValueError):
@@ -68,10 +80,14 @@ class GrammarSpec:
             if isinstance(value, str):
                 try:
                     value = json.loads(value)
+                except RecursionError:
+                    raise GrammarError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
                 except ValueError as e:
                     raise GrammarError(f"the JSON schema is not JSON: {e}") from None
             if not isinstance(value, (dict, bool)):
                 raise GrammarError("a JSON schema is an object")
+            if _depth(value) > MAX_SCHEMA_DEPTH:
+                raise GrammarError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
             value = json.dumps(value, separators=(",", ":"))  # key order kept: xgrammar writes properties in it
         elif self.kind == "choice":
             if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
