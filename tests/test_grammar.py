@@ -22,6 +22,7 @@ from xgrammar.contrib.hf import LogitsProcessor
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.decode.grammar import GrammarError, GrammarMask, Grammars, GrammarSpec, compile_spec
 from hf_invisiblelora.engine import Engine, Request
+from hf_invisiblelora.engine.request import Status
 from tiny import chi_square_p, json_tokenizer, tiny_peft
 
 EOS, PAD = 1, 0
@@ -260,6 +261,41 @@ def test_engine_mixed_batch_decodes_as_stock(model, tok, compiler):
                                  logits_processor=[LogitsProcessor(g)] if g is not None else None)
         assert out == ref[0, len(p):].tolist(), (a, g)
     assert tok.decode(got[2][:-1]) in ["alpha", "beta", "gamma"] and got[2][-1] in eos
+
+
+def test_engine_constrained_requests_joining_mid_decode(model, tok):
+    """Constrained requests that join while others decode: a short prompt folded into a verify pass,
+    a long one prefilled in chunks between cycles, and a prompt found in the prefix cache; each equals
+    stock generate() alone with its grammar."""
+    engine = Engine(model, max_batch=4, max_len=200, num_draft_tokens=3, prefill_chunk=16).start()
+    try:
+        info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok), stop_token_ids=engine.eos_ids)
+        c = xgr.GrammarCompiler(info)
+        grammar = compiled(c, "json_schema", {"type": "object", "properties": {
+            "k": {"type": "array", "items": {"enum": ["x", "yz"]}, "maxItems": 4}, "n": {"type": "boolean"}},
+            "required": ["k", "n"], "additionalProperties": False})
+        regex = compiled(c, "regex", r"[a-d]{2,4}(, [a-d]{2,4}){0,3}")
+        g = torch.Generator().manual_seed(4)
+        long = torch.randint(2, len(tok), (70,), generator=g).tolist()  # 5 chunks of 16
+        shared = torch.randint(2, len(tok), (40,), generator=g).tolist()  # two full blocks
+        busy = [engine.submit(Request(torch.randint(2, len(tok), (6,), generator=g).tolist(), adapter=a,
+                                      max_tokens=150, temperature=0, ignore_eos=True)) for a in ("s", "b")]
+        first = engine.submit(Request(shared, adapter="c", max_tokens=40, temperature=0, grammar=grammar)).result(60)
+        joining = [(shared, "c", grammar), ([9, 4, 7], "s", regex), (long, "b", grammar)]
+        handles = [engine.submit(Request(p, adapter=a, max_tokens=40, temperature=0, grammar=gr)) for p, a, gr in joining]
+        got = [h.result(120) for h in handles]
+        assert all(h.status != Status.FINISHED for h in busy)  # they joined rows that were decoding
+        for h in busy:
+            h.result(120)
+        hits = engine.metrics_snapshot()["prefix_hits"]
+    finally:
+        engine.stop()
+    assert got[0] == first and hits >= 32  # the shared prompt's blocks were found
+    for (p, a, gr), out in zip(joining, got):
+        with torch.no_grad():
+            ref = model.generate(input_ids=torch.tensor([p]), adapter_names=[a], max_new_tokens=40, do_sample=False,
+                                 eos_token_id=engine.eos_ids, pad_token_id=PAD, logits_processor=[LogitsProcessor(gr)])
+        assert out == ref[0, len(p):].tolist(), a
 
 
 def test_engine_refuses_min_tokens_with_a_grammar(model, tok, compiler):
