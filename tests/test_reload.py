@@ -142,3 +142,49 @@ def test_stopping_mid_request_leaves_no_old_revision(revisions):
     finally:
         engine.stop()
     assert busy.finish_reason == "cancelled" and sorted(model.peft_config) == ["b", "s", "x"]
+
+
+def test_a_checkpoint_of_the_same_shape_is_written_in_place(tmp_path):
+    """A training loop's next checkpoint (the same config, new weights), with no request on the old
+    revision: the new weights go into the adapter's own tensors (no module built), the answers are
+    the new revision's, and one with weights that are not finite leaves the old ones."""
+    config = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True)
+    folders = []
+    for seed in (20, 21):
+        tiny_peft("llama", adapters={"x": config}, strength=0.8, seed=seed).save_pretrained(tmp_path / str(seed))
+        folders.append(str(tmp_path / str(seed) / "x"))
+    bad = tiny_peft("llama", adapters={"x": config}, strength=0.8, seed=22)
+    with torch.no_grad():
+        bad.base_model.model.model.layers[1].mlp.down_proj.lora_B["x"].weight[0, 0] = float("inf")
+    bad.save_pretrained(tmp_path / "bad")
+    reference = tiny_peft("llama", adapters=("s", "b"), strength=0.6)
+    for i, folder in enumerate(folders):
+        reference.load_adapter(folder, adapter_name=f"x{i}")
+    model = tiny_peft("llama", adapters=("s", "b"), strength=0.6)
+    prompt = [5, 9, 2, 7, 11, 3]
+
+    def alone(adapter):  # stock PEFT takes no adapter_names with DoRA: the adapter set active
+        reference.set_adapter(adapter)
+        out = reference.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+        return out[0, len(prompt):].tolist()
+
+    engine = Engine(model, max_batch=2, max_len=64, num_draft_tokens=2).start()
+    try:
+        engine.load_adapter("x", folders[0])
+        layer = model.base_model.model.model.layers[1].mlp.down_proj
+        module, magnitude = layer.lora_A["x"], layer.lora_magnitude_vector["x"]
+        first = engine.submit(Request(prompt, adapter="x", max_tokens=8, temperature=0)).result(60)
+        engine.load_adapter("x", folders[1], inplace=True)
+        assert layer.lora_A["x"] is module and layer.lora_magnitude_vector["x"] is magnitude  # written in place
+        second = engine.submit(Request(prompt, adapter="x", max_tokens=8, temperature=0))
+        assert second.result(60) == alone("x1") and second.revision == 1
+        with pytest.raises(AdapterUnsupported):
+            engine.load_adapter("x", str(tmp_path / "bad" / "x"), inplace=True)
+        again = engine.submit(Request(prompt, adapter="x", max_tokens=8, temperature=0))
+        assert again.result(60) == second.result(60) and again.revision == 1
+        engine.load_adapter("x", folders[0], inplace=True)  # back to the first weights: the first answer
+        assert engine.submit(Request(prompt, adapter="x", max_tokens=8, temperature=0)).result(60) == first
+    finally:
+        engine.stop()
+    assert first == alone("x0")
+    assert sorted(model.peft_config) == ["b", "s", "x"] and layer.lora_A["x"] is module

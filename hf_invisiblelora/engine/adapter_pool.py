@@ -43,9 +43,11 @@ from ..lora.files import (
     OutsideRoots,
     Unreadable,
     add_adapter,
+    overwrite_adapter,
     read_adapter,
     remove_adapter,
     rename_adapter,
+    same_layout,
 )
 from ..model.walk import BASE
 
@@ -136,12 +138,25 @@ class AdapterPool:
         that cannot be read or served raises AdapterUnsupported, and one PEFT fails to load its own
         error; either way the model is as it was."""
         roots = self.roots.get(name) if roots is None else roots
+        files = self._read(path, roots)
         try:
-            files = read_adapter(path, self.model, roots, self.max_lora_rank)
+            add_adapter(self.model, name, files, self._servable(name))
+        except BaseException:
+            del files
+            return_freed_memory()
+            raise
+        self._loaded(name, roots)
+
+    def _read(self, path: str, roots):
+        try:
+            return read_adapter(path, self.model, roots, self.max_lora_rank)
         except (OutsideRoots, Unreadable):
             raise
         except AdapterRefused as e:
             raise AdapterUnsupported(str(e)) from e
+
+    def _servable(self, name: str):
+        """The check of a loaded adapter ``name`` (it raises AdapterUnsupported)."""
         def servable():
             try:
                 check_model(self.model)
@@ -151,13 +166,9 @@ class AdapterPool:
             if bad is not None:
                 raise AdapterUnsupported(f"its values are not finite in {bad} (B * scaling overflows, or a DoRA "
                                          "scale): its outputs would be undefined")
+        return servable
 
-        try:
-            add_adapter(self.model, name, files, servable)
-        except BaseException:
-            del files
-            return_freed_memory()
-            raise
+    def _loaded(self, name: str, roots) -> None:
         if roots is not None:
             self.roots[name] = roots
         self.touch(name)
@@ -166,8 +177,20 @@ class AdapterPool:
     def replace(self, name: str, path: str, roots=None, keep_old: bool = True) -> str | None:
         """Load ``path``'s adapter as a new revision of the loaded adapter ``name`` (a reload in place):
         the old weights renamed to ``name#revision``, returned and kept (``retired``) if ``keep_old``
-        (rows decode with them), else deleted. A load that fails leaves the old revision as it was."""
+        (rows decode with them), else deleted; or, when no row holds them and the new config builds
+        the same modules (a training loop's next checkpoint), the new weights written into the old
+        tensors (lora/files.overwrite_adapter: PEFT's injection skipped). A load that fails leaves the
+        old revision as it was."""
         revision = self.revision.get(name, 0)
+        if not keep_old:  # no row holds the old weights: where the new ones fit its modules, they take their place
+            roots = self.roots.get(name) if roots is None else roots
+            files = self._read(path, roots)
+            if same_layout(self.model, name, files.config):
+                overwrite_adapter(self.model, name, files, self._servable(name))
+                self._loaded(name, roots)
+                self.paths[name], self.revision[name] = path, revision + 1
+                return None
+            del files
         old = f"{name}#{revision}"
         rename_adapter(self.model, name, old)
         self.retired.add(old)

@@ -39,7 +39,7 @@ import torch
 from peft import LoraConfig
 from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import delete_adapter as peft_delete_adapter
-from peft.utils import set_peft_model_state_dict
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
 CONFIG, SAFETENSORS, BIN = "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"
@@ -340,3 +340,45 @@ def add_adapter(model, name: str, files: AdapterFiles, check=None) -> None:
             if parent._modules.get(key) is not child:
                 parent._modules[key] = child
         raise
+
+
+# Config fields that say where an adapter came from, not what modules it builds.
+_PROVENANCE = ("base_model_name_or_path", "revision", "inference_mode", "peft_version")
+
+
+def same_layout(model, name: str, config: LoraConfig) -> bool:
+    """Whether ``config`` builds the modules adapter ``name`` has (every field equal but provenance):
+    its weights can then replace the adapter's in place (``overwrite_adapter``)."""
+    here, there = (c.to_dict() for c in (model.peft_config[name], config))
+    for d in (here, there):
+        for key in _PROVENANCE:
+            d.pop(key, None)
+    return here == there
+
+
+def overwrite_adapter(model, name: str, files: AdapterFiles, check=None) -> None:
+    """Adapter ``name``'s weights replaced by ``files``' in its own tensors (``same_layout``: no
+    module built, which PEFT's injection takes most of a load's time for), then ``check()`` if
+    given; or, if any of it fails, its old weights back and the error raised."""
+    old = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
+    device = next(model.parameters()).device
+    try:
+        result = set_peft_model_state_dict(model, {k: v.to(device) for k, v in files.weights.items()},
+                                           adapter_name=name)
+        missing = [k for k in result.missing_keys if "lora_" in k and f".{name}." in k]
+        if missing:
+            raise Unreadable(f"the adapter's weights lack {len(missing)} of its layers' tensors, e.g. "
+                             f"{missing[0].replace('.' + name, '')!r} (made for another model?)")
+        _clear_caches(model)
+        if check is not None:
+            check()
+    except BaseException:
+        set_peft_model_state_dict(model, old, adapter_name=name)
+        _clear_caches(model)
+        raise
+
+
+def _clear_caches(model) -> None:
+    for m in model.modules():  # PEFT's ad hoc per-adapter values (DoRA's): computed again from the weights
+        if isinstance(getattr(m, "_caches", None), dict):
+            m._caches.clear()
