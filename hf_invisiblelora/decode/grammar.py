@@ -198,7 +198,10 @@ class Grammars:
                 raise GrammarError(_worker.MEMORY)
             if answer[0] != "ok":
                 raise GrammarError(answer[1] if answer[1] == _worker.MEMORY else f"invalid {spec.kind}: {answer[1]}")
-            compiled = compile_spec(self._compiler, key)  # as long as it took there, within the bounds
+            try:
+                compiled = compile_spec(self._compiler, key)  # as long as it took there, within the bounds
+            except Exception as e:  # noqa: BLE001 - what compiled there does here; a request's error if not
+                raise GrammarError(f"invalid {spec.kind}: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from None
             with self._cache_lock:
                 self._cache[key] = compiled
                 self._cached_bytes += compiled.memory_size_bytes
