@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine
+from common import machine, zoo_continuations_args
 
 
 def skip_sets(n_layers: int, counts: list[int]) -> dict:
@@ -39,11 +39,7 @@ def main(argv=None):
     from hf_invisiblelora import zoo
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--zoo", default="smollm2", choices=["smollm2", "gemma3"])
-    p.add_argument("--adapters", nargs="+", help="default: every built plain LoRA adapter")
-    p.add_argument("--prompts", type=int, default=3, help="held-out prompts per adapter")
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=40)
+    zoo_continuations_args(p, new_tokens=40)
     p.add_argument("--skips", nargs="+", type=int, default=[2, 4, 6, 8])
     args = p.parse_args(argv)
     model, tok, names = zoo.load_zoo(args.zoo, args.adapters)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine
+from common import machine, zoo_continuations_args
 
 from hf_invisiblelora.decode.drafters import LOOKUP_NGRAMS, lookup, match
 
@@ -72,11 +72,7 @@ def main(argv=None):
     from hf_invisiblelora import zoo
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--zoo", default="smollm2", choices=["smollm2", "gemma3"])
-    p.add_argument("--adapters", nargs="+", help="default: every built plain LoRA adapter")
-    p.add_argument("--prompts", type=int, default=3, help="held-out prompts per adapter")
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=48)
+    zoo_continuations_args(p, new_tokens=48)
     args = p.parse_args(argv)
     model, tok, names = zoo.load_zoo(args.zoo, args.adapters)
     runs = continuations(model, tok, args.zoo, names, args.prompts, args.prompt_tokens, args.new_tokens)

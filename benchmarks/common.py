@@ -1,6 +1,6 @@
-"""What the benchmarks share: timing, the machine's name, and the tests' tiny models (tests/tiny.py,
-tests/arch_sweep.py: test machinery, not installed with the package, so their folder is put on the
-import path here)."""
+"""What the benchmarks share: timing, the machine's name, common options, and the tests' tiny
+models (tests/tiny.py, tests/arch_sweep.py: test machinery, not installed with the package, so
+their folder is put on the import path here)."""
 
 from __future__ import annotations
 
@@ -68,3 +68,13 @@ def machine() -> str:
                 break
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     return f"{name}, {os.cpu_count()} CPUs" + (f", {' '.join(isa)}" if isa else "")
+
+
+def zoo_continuations_args(p, new_tokens: int) -> None:
+    """The options of a benchmark over held-out continuations of a zoo's adapters (bench_lookup,
+    bench_layer_skip): which zoo and adapters, how many prompts of how many tokens, tokens to generate."""
+    p.add_argument("--zoo", default="smollm2", choices=["smollm2", "gemma3"])
+    p.add_argument("--adapters", nargs="+", help="default: every built plain LoRA adapter")
+    p.add_argument("--prompts", type=int, default=3, help="held-out prompts per adapter")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=new_tokens)

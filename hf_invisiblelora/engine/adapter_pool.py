@@ -138,7 +138,9 @@ class AdapterPool:
         that cannot be read or served raises AdapterUnsupported, and one PEFT fails to load its own
         error; either way the model is as it was."""
         roots = self.roots.get(name) if roots is None else roots
-        files = self._read(path, roots)
+        self._add(name, self._read(path, roots), roots)
+
+    def _add(self, name: str, files, roots) -> None:
         try:
             add_adapter(self.model, name, files, self._servable(name))
         except BaseException:
@@ -182,20 +184,19 @@ class AdapterPool:
         tensors (lora/files.overwrite_adapter: PEFT's injection skipped). A load that fails leaves the
         old revision as it was."""
         revision = self.revision.get(name, 0)
-        if not keep_old:  # no row holds the old weights: where the new ones fit its modules, they take their place
-            roots = self.roots.get(name) if roots is None else roots
-            files = self._read(path, roots)
-            if same_layout(self.model, name, files.config):
-                overwrite_adapter(self.model, name, files, self._servable(name))
-                self._loaded(name, roots)
-                self.paths[name], self.revision[name] = path, revision + 1
-                return None
-            del files
+        roots = self.roots.get(name) if roots is None else roots
+        files = self._read(path, roots)
+        # No row holds the old weights and the new ones fit its modules: they take their place.
+        if not keep_old and same_layout(self.model, name, files.config):
+            overwrite_adapter(self.model, name, files, self._servable(name))
+            self._loaded(name, roots)
+            self.paths[name], self.revision[name] = path, revision + 1
+            return None
         old = f"{name}#{revision}"
         rename_adapter(self.model, name, old)
         self.retired.add(old)
         try:
-            self.load(name, path, roots)
+            self._add(name, files, roots)
         except BaseException:
             rename_adapter(self.model, old, name)
             self.retired.discard(old)

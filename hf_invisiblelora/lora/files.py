@@ -293,13 +293,12 @@ def rename_adapter(model, old: str, new: str) -> None:
         for place in places:
             if isinstance(place, (dict, nn.ModuleDict, nn.ParameterDict)) and old in place:
                 place[new] = place.pop(old)
-        if isinstance(getattr(m, "_caches", None), dict):
-            m._caches.clear()  # PEFT's ad hoc per-adapter values: computed again under the new name
         active = getattr(m, "_active_adapter", None)
         if active == old:
             m._active_adapter = new
         elif isinstance(active, list) and old in active:
             m._active_adapter = [new if a == old else a for a in active]
+    _clear_caches(model)  # computed again under the new name
     model.peft_config[new] = model.peft_config.pop(old)
     for holder in (model, model.base_model):  # PeftModel's and the tuner's own record of the active adapter(s)
         active = holder.__dict__.get("active_adapter")
@@ -324,13 +323,7 @@ def add_adapter(model, name: str, files: AdapterFiles, check=None) -> None:
     before = [(parent, key, child) for parent in model.modules() for key, child in parent._modules.items()]
     try:
         model.add_adapter(name, files.config, autocast_adapter_dtype=True)
-        device = next(model.parameters()).device
-        result = set_peft_model_state_dict(model, {k: v.to(device) for k, v in files.weights.items()},
-                                           adapter_name=name)
-        missing = [k for k in result.missing_keys if "lora_" in k and f".{name}." in k]
-        if missing:
-            raise Unreadable(f"the adapter's weights lack {len(missing)} of its layers' tensors, e.g. "
-                                 f"{missing[0].replace('.' + name, '')!r} (made for another model?)")
+        _load_weights(model, name, files.weights)
         model.eval()
         if check is not None:
             check()
@@ -361,14 +354,8 @@ def overwrite_adapter(model, name: str, files: AdapterFiles, check=None) -> None
     module built, which PEFT's injection takes most of a load's time for), then ``check()`` if
     given; or, if any of it fails, its old weights back and the error raised."""
     old = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
-    device = next(model.parameters()).device
     try:
-        result = set_peft_model_state_dict(model, {k: v.to(device) for k, v in files.weights.items()},
-                                           adapter_name=name)
-        missing = [k for k in result.missing_keys if "lora_" in k and f".{name}." in k]
-        if missing:
-            raise Unreadable(f"the adapter's weights lack {len(missing)} of its layers' tensors, e.g. "
-                             f"{missing[0].replace('.' + name, '')!r} (made for another model?)")
+        _load_weights(model, name, files.weights)
         _clear_caches(model)
         if check is not None:
             check()
@@ -376,6 +363,16 @@ def overwrite_adapter(model, name: str, files: AdapterFiles, check=None) -> None
         set_peft_model_state_dict(model, old, adapter_name=name)
         _clear_caches(model)
         raise
+
+
+def _load_weights(model, name: str, weights: dict) -> None:
+    """PEFT's state dict ``weights`` into adapter ``name``'s tensors; Unreadable if it lacks some."""
+    device = next(model.parameters()).device
+    result = set_peft_model_state_dict(model, {k: v.to(device) for k, v in weights.items()}, adapter_name=name)
+    missing = [k for k in result.missing_keys if "lora_" in k and f".{name}." in k]
+    if missing:
+        raise Unreadable(f"the adapter's weights lack {len(missing)} of its layers' tensors, e.g. "
+                         f"{missing[0].replace('.' + name, '')!r} (made for another model?)")
 
 
 def _clear_caches(model) -> None:
