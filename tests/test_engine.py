@@ -697,16 +697,16 @@ def saved(tmp_path_factory):
 def evictions(monkeypatch, engine):
     """Record each adapter the engine deletes from the model, with the adapters of the batch's rows and
     of the waiting requests at that moment."""
-    from hf_invisiblelora.engine import adapter_pool
+    from hf_invisiblelora.engine import adapters
 
-    seen, delete = [], adapter_pool.remove_adapter
+    seen, delete = [], adapters.remove_adapter
 
     def spy(model, name):
         seen.append((name, set(engine._rows.adapters()),
                      {h.request.adapter for h in engine._waiting}))
         return delete(model, name)
 
-    monkeypatch.setattr(adapter_pool, "remove_adapter", spy)
+    monkeypatch.setattr(adapters, "remove_adapter", spy)
     return seen
 
 

@@ -11,7 +11,7 @@ import torch
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.engine import Engine, Request
-from hf_invisiblelora.engine.adapter_pool import AdapterUnsupported
+from hf_invisiblelora.engine.adapters import AdapterUnsupported
 from hf_invisiblelora.engine.request import Status
 from hf_invisiblelora.lora.files import Unreadable
 from tiny import tiny_peft
@@ -66,16 +66,17 @@ def test_requests_finish_on_the_revision_they_started_with(revisions, reference)
         first = engine.submit(Request(prompt, adapter="x", max_tokens=60, temperature=0, ignore_eos=True))
         wait_for(lambda: first.status == Status.DECODING)
         engine.load_adapter("x", revisions[1], inplace=True)  # while `first` decodes
-        assert internal_names(model) == ["x#0"] and first.status == Status.DECODING
+        # Beside the old revision under a key of its own: nothing in PEFT is renamed or reordered
+        assert list(model.peft_config) == ["s", "b", "x", "x#1"] and first.status == Status.DECODING
         second = engine.submit(Request(prompt, adapter="x", max_tokens=8, temperature=0))
         assert second.result(60) == standalone(reference, prompt, "x1", 8)
         assert engine.metrics_snapshot()["prefix_hits"] == 0  # the first revision's blocks are not the second's
         base = engine.submit(Request(prompt, adapter="s", max_tokens=8, temperature=0)).result(60)
         assert first.result(60) == standalone(reference, prompt, "x0", 60)
         assert (first.revision, second.revision) == (0, 1)
-        wait_for(lambda: not internal_names(model))  # the old revision deleted once its request ended
+        wait_for(lambda: "x" not in model.peft_config)  # the old revision deleted once its request ended
         engine.load_adapter("x", revisions[2], inplace=True)  # nothing in flight: replaced at once
-        assert not internal_names(model)
+        assert list(model.peft_config) == ["s", "b", "x"]  # under its name again, which was free
         third = engine.submit(Request(prompt, adapter="x", max_tokens=8, temperature=0))
         assert third.result(60) == standalone(reference, prompt, "x2", 8) and third.revision == 2
         again = engine.submit(Request(prompt, adapter="x", max_tokens=8, temperature=0))
@@ -123,14 +124,14 @@ def test_without_inplace_a_served_name_is_refused(revisions):
         with pytest.raises(ValueError, match="already served"):
             engine.load_adapter("x", revisions[1])
         engine.load_adapter("y", revisions[1], inplace=True)  # a new name: a plain load
-        assert {"x", "y"} <= set(model.peft_config)
+        assert {"x", "y"} <= set(engine.adapters()) and "y" in model.peft_config
     finally:
         engine.stop()
 
 
 def test_stopping_mid_request_leaves_no_old_revision(revisions):
     """A request still decoding on an old revision when the engine stops is cancelled; the model keeps
-    only the names it was given and loaded, no internal one."""
+    one adapter per name served, the old revision deleted."""
     model = tiny_peft("llama", adapters=("s", "b"), strength=0.6)
     engine = Engine(model, max_batch=2, max_len=128, num_draft_tokens=2).start()
     try:
@@ -138,10 +139,10 @@ def test_stopping_mid_request_leaves_no_old_revision(revisions):
         busy = engine.submit(Request(list(range(3, 20)), adapter="x", max_tokens=100, temperature=0, ignore_eos=True))
         wait_for(lambda: busy.status == Status.DECODING)
         engine.load_adapter("x", revisions[1], inplace=True)
-        assert internal_names(model) == ["x#0"]
+        assert internal_names(model) == ["x#1"]
     finally:
         engine.stop()
-    assert busy.finish_reason == "cancelled" and sorted(model.peft_config) == ["b", "s", "x"]
+    assert busy.finish_reason == "cancelled" and list(model.peft_config) == ["s", "b", "x#1"]
 
 
 def test_a_checkpoint_of_the_same_shape_is_written_in_place(tmp_path):

@@ -16,7 +16,7 @@ from test_serve_security import assert_error, call
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.engine import Engine, Request, UnknownAdapter
-from hf_invisiblelora.engine.adapter_pool import AdapterUnsupported
+from hf_invisiblelora.engine.adapters import AdapterUnsupported
 from hf_invisiblelora.lora.files import OutsideRoots
 from tiny import tiny_peft
 

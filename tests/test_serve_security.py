@@ -536,7 +536,7 @@ def app_client():
                                "/opt/secret/path.py') }}{% endif %}" + CHAT_TEMPLATE[len("{% for m in messages %}"):])
     engine = Engine(tiny_peft("llama", adapters=("s",), dtype=torch.float32), max_batch=2, max_len=128,
                     num_draft_tokens=2).start()
-    server = Server(engine, tokenizer, BASE_ID, "/models/tiny", {"s": "/models/s"})
+    server = Server(engine, tokenizer, BASE_ID, "/models/tiny")
     try:
         yield TestClient(build_app(server), raise_server_exceptions=False), server
     finally:

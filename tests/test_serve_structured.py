@@ -676,7 +676,7 @@ def test_tools_need_a_template_that_shows_them():
     tokenizer.chat_template = CHAT_TEMPLATE
     engine = Engine(tiny_peft("llama", adapters=("s",), dtype=torch.float32), max_batch=2, max_len=128,
                     num_draft_tokens=2).start()
-    server = Server(engine, tokenizer, BASE_ID, "/models/tiny", {"s": "/models/s"})
+    server = Server(engine, tokenizer, BASE_ID, "/models/tiny")
     try:
         client = TestClient(build_app(server), raise_server_exceptions=False)
         body = {"model": "s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

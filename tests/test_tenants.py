@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora.engine import AdapterUnsupported, Engine, InvalidRequest, Request, adapter_pool
+from hf_invisiblelora.engine import AdapterUnsupported, Engine, InvalidRequest, Request, adapters
 from hf_invisiblelora.lora import layer as lora_layer
 from hf_invisiblelora.lora.files import OutsideRoots, Unreadable
 from tiny import prompts, tiny_peft
@@ -227,7 +227,7 @@ def test_failed_loads_keep_no_memory(saved, tmp_path):
     (folder / "adapter_config.json").write_text(json.dumps({**json.loads((saved / "adapter_config.json").read_text()),
                                                             **config}))
     save_file({}, folder / "adapter_model.safetensors")
-    pool = adapter_pool.AdapterPool(model, None, None)
+    pool = adapters.AdapterManager(model, None, None)
 
     def rss():
         with open("/proc/self/status") as f:
@@ -235,11 +235,11 @@ def test_failed_loads_keep_no_memory(saved, tmp_path):
 
     before = structure(model)
     with pytest.raises(ValueError):
-        pool.load("bad", str(folder))  # the first one: allocator arenas settle
+        pool.add("bad", pool.read(str(folder)), str(folder))  # the first one: allocator arenas settle
     start = rss()
     for _ in range(6):
         with pytest.raises(ValueError, match="not supported"):
-            pool.load("bad", str(folder))
+            pool.add("bad", pool.read(str(folder)), str(folder))
     assert structure(model) == before
     assert rss() - start < 64 * 2**20, (start, rss())
 
@@ -256,14 +256,14 @@ def test_files_are_read_inside_the_roots(saved, tmp_path):
     swapped = root / "swapped"  # a folder swapped for a symlink to another after a check of its path
     os.symlink(outside, swapped)
     model = tiny_peft("llama", adapters=("s",), strength=0.6)
-    pool = adapter_pool.AdapterPool(model, None, None)
+    pool = adapters.AdapterManager(model, None, None)
     roots = [os.path.realpath(root)]
     before = structure(model)
     for folder, words in [(linked_file, "symlink"), (swapped, "cannot be opened|outside"), (outside, "outside")]:
         with pytest.raises((OutsideRoots, Unreadable), match=words):
-            pool.load("x", str(folder), roots)
+            pool.add("x", pool.read(str(folder), roots), str(folder), roots)
         assert structure(model) == before
-    pool.load("x", str(inside), roots)
+    pool.add("x", pool.read(str(inside), roots), str(inside), roots)
     assert "x" in model.peft_config
 
 
@@ -276,7 +276,7 @@ def test_names_are_checked():
     with pytest.raises(ValueError, match="Adapter names are"):
         Engine(model, adapter_paths={"two,names": "/nowhere"})
     for good in ["kjv", "org/adapter-v1.2", "a:b_c"]:
-        adapter_pool.check_name(good)
+        adapters.check_name(good)
 
 
 # --- prompt log-probabilities, max_tokens=0, penalties, logit bias ---------------------------------

@@ -1,6 +1,6 @@
 """The continuous-batching serving engine (engine.py): requests (request.py) join free rows
 between cycles (scheduling.py), their tokens are delivered as cycles commit them (rows.py), and
-adapters are loaded, evicted and loaded again within bounds (adapter_pool.py). Builds on decode/;
+adapters are loaded, evicted and loaded again within bounds (adapters.py). Builds on decode/;
 serving/ puts HTTP in front of it.
 
     from hf_invisiblelora.engine import Engine, Request

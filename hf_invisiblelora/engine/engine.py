@@ -32,16 +32,20 @@ Adapters can be loaded and unloaded while serving (between cycles; unloading one
 uses is refused). The engine holds the model's InvisibleLoRA lock while it runs: other
 ``generate(invisible_lora=True)`` calls on the model wait until it stops.
 
-What it holds can be bounded, as vLLM and SGLang do: ``max_loras`` distinct adapters in one pass (a
-request whose adapter would be one too many waits; admission stays first come, first served:
+What it holds is bounded, as vLLM and SGLang bound it: ``max_loras`` distinct adapters in one pass
+(a request whose adapter would be one too many waits; admission stays first come, first served:
 scheduling.py) and ``max_cpu_loras`` adapters loaded in the model (the least recently used idle one
-is evicted and loaded again when a request names it: adapter_pool.py).
+is evicted and loaded again when a request names it: adapters.py), by default ``max_loras`` (else
+``max_batch``) or what the model holds at start, and one more.
+
+A command (load, reload, unload) either takes effect or changes nothing: adapters.py makes its one
+model operation first and its records after. An adapter's folder is read on the caller's thread
+(an evicted one's on adapters.py's reader thread), never on the engine's, so no file stalls serving.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import logging
 import os
 import queue
@@ -61,11 +65,11 @@ from ..model.rotary import length_dependent
 from ..model.state import state_of
 from ..model.walk import BASE
 from ..threads import release_openmp_threads
-from .adapter_pool import (
+from .adapters import (
     NAME,
     AdapterBusy,
     AdapterExists,
-    AdapterPool,
+    AdapterManager,
     AdapterUnsupported,
     LastAdapter,
     UnknownAdapter,
@@ -122,7 +126,8 @@ class Engine:
                  prefill_chunk: int | None = PREFILL_CHUNK,
                  max_lora_rank: int = MAX_RANK, prefix_caching: bool = True, prefix_cache_bytes: int | None = None,
                  lora_resolver_dirs=()):
-        """``max_loras``, ``max_cpu_loras``: the bounds of the module docstring (None: none).
+        """``max_loras``, ``max_cpu_loras``: the bounds of the module docstring (``max_loras`` None: none;
+        ``max_cpu_loras`` None: the default there).
         ``adapter_paths``: {name: local PEFT adapter folder}, for adapters the model has loaded (so
         that they can be evicted and loaded again) and for others, loaded when a request names them.
         ``draft_vocab``, ``draft_dtype``, ``prompt_lookup``: the drafters' options, as generate() takes them (an int
@@ -180,13 +185,14 @@ class Engine:
         self.prefix_caching, self.prefix_cache_bytes = prefix_caching, _bound("prefix_cache_bytes", prefix_cache_bytes)
         self._prefix = None  # prefix_cache.PrefixCaching while the engine's thread runs (None: off)
         self._chunked = collections.deque()  # [group, slots done]: prompts being prefilled in chunks
-        self._retiring = set()  # retired revisions whose deletion is queued (_retire)
+        self._retiring = set()  # keys of old revisions whose deletion is queued (_retire)
         self.resolver = AdapterResolver(lora_resolver_dirs) if lora_resolver_dirs else None
-        self._resolving = {}  # adapter name -> the Future of its lookup and load (resolve)
-        self._resolving_lock = threading.Lock()
+        if self.max_cpu_loras is None:  # vLLM's default is max_loras; room for what the model holds, and one more
+            self.max_cpu_loras = max(self.max_loras or max_batch, len(model.peft_config) + 1)
         # Changed on the engine's thread under _wake; submit() reads it under the same lock.
-        self._pool = AdapterPool(model, self.max_cpu_loras, adapter_paths, _bound("max_lora_rank", max_lora_rank))
-        self._adapters = list(self._pool.paths)
+        self._pool = AdapterManager(model, self.max_cpu_loras, adapter_paths, _bound("max_lora_rank", max_lora_rank))
+        self._adapters = self._pool.paths()  # what other threads read (adapters(), adapter_paths())
+        self._nudges = 0  # submissions and cancels so far: an engine waiting for an adapter's files looks again
         self._policy = RequestPolicy(max_batch, inner.device)
         self._rows = Rows(max_batch, self._policy, self._pool, self._count, self.max_len - num_draft_tokens - 1,
                           ended=self._ended)
@@ -205,10 +211,11 @@ class Engine:
             if not self.alive:
                 raise NotRunning(f"The engine is not running{f' (it failed: {self.error})' if self.error else ''}.")
             if request.adapter != BASE and request.adapter not in self._pool:  # unloaded meanwhile
-                raise UnknownAdapter(f"Unknown adapter {request.adapter!r}; served: {list(self._pool.paths)}.")
+                raise UnknownAdapter(f"Unknown adapter {request.adapter!r}; served: {self._pool.names()}.")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue}); retry later.")
             self._waiting.append(handle)
+            self._nudges += 1
             self._wake.notify()
         return handle
 
@@ -228,34 +235,22 @@ class Engine:
 
     def resolve(self, name: str) -> bool:
         """Whether adapter ``name`` is served, once looked up in ``lora_resolver_dirs`` and loaded from
-        the first that holds it (resolver.py; ``load_adapter``, inside that folder). Concurrent calls
-        for one name wait for one lookup and load and share its outcome: True, False (found
-        nowhere), or its load's error (AdapterUnsupported and the files' errors: the folder holds no
-        adapter this engine serves). Blocks for the load: call it off an event loop."""
+        the first that holds it (resolver.py, inside that folder). Concurrent calls for one name share
+        one lookup and load: True, False (found nowhere), or its load's error (AdapterUnsupported and
+        the files' errors: the folder holds no adapter this engine serves). Blocks for the load: call
+        it off an event loop."""
         if name in self._pool:
             return True
         if self.resolver is None or name == BASE or not NAME.fullmatch(name):  # a name no adapter can have
             return False
-        with self._resolving_lock:
-            future, mine = self._resolving.get(name), False
-            if future is None:
-                future, mine = self._resolving.setdefault(name, concurrent.futures.Future()), True
-        if mine:
+
+        def load(name, folder, root):
             try:
-                found = self.resolver.find(name)
-                if found is not None:
-                    try:
-                        self.load_adapter(name, found[0], roots=[found[1]])
-                        logger.info("hf_invisiblelora engine: adapter %r found in %s and loaded", name, found[0])
-                    except AdapterExists:  # loaded meanwhile by another route
-                        pass
-                future.set_result(found is not None)
-            except Exception as e:  # noqa: BLE001 - handed to every caller waiting for this name
-                future.set_exception(e)
-            finally:
-                with self._resolving_lock:
-                    del self._resolving[name]
-        return future.result()
+                self._load(name, folder, [root], inplace=False, resolved=True)
+                logger.info("hf_invisiblelora engine: adapter %r found in %s and loaded", name, folder)
+            except AdapterExists:  # loaded meanwhile by another route
+                pass
+        return self.resolver.resolve(name, load)
 
     @property
     def max_request_tokens(self) -> int:
@@ -271,6 +266,11 @@ class Engine:
         """Every adapter the engine serves, loaded or evicted (loaded again when a request names it)."""
         with self._state_lock:
             return list(self._adapters)
+
+    def adapter_paths(self) -> dict:
+        """{adapter served: the folder its current revision was read from, or None (made in-process)}."""
+        with self._state_lock:
+            return dict(self._adapters)
 
     def metrics_snapshot(self) -> dict:
         """A copy of ``metrics`` (the engine's thread updates it every cycle), with the adapter
@@ -302,48 +302,47 @@ class Engine:
         return len(self._rows.taken())
 
     def load_adapter(self, name: str, path: str, timeout: float = 600, roots=None, inplace: bool = False) -> None:
-        """Load a PEFT adapter between cycles (adapter_pool.py: its folder read inside ``roots``, the
-        real paths its files may be read under, None: anywhere; its name checked, check_name). One
-        the engine cannot read or serve is refused with AdapterUnsupported (a ValueError), one PEFT
-        fails to load with PEFT's error; either way the model is as it was. Past ``max_cpu_loras``
-        the least recently used idle adapter is evicted; if every other one is in use, this one is
-        (it stays served, loaded when a request names it).
+        """Load a PEFT adapter between cycles (adapters.py: its folder read here, on the caller's
+        thread, inside ``roots``, the real paths its files may be read under, None: anywhere; its name
+        checked, check_name). One the engine cannot read or serve is refused with AdapterUnsupported
+        (a ValueError) or the files' errors; either way nothing changed. Past ``max_cpu_loras`` the
+        least recently used idle adapter is evicted; if every other one is in use, this one is (it
+        stays served, loaded when a request names it).
 
         ``inplace`` (vLLM's ``load_inplace``): a name already served gets the new weights as a new
         revision, without an unload. Requests admitted from then on decode with it; requests already
-        in a row finish on the revision they started with (kept under an internal name until the
-        last of them is done: ``AdapterPool.replace``); ``Handle.revision`` says which. The prefix
-        cache never gives one revision's blocks to another (prefix_cache.py: roots by contents)."""
+        in a row finish on the revision they started with (AdapterRef: adapters.py); ``Handle.revision``
+        says which. The prefix cache never gives one revision's blocks to another (prefix_cache.py:
+        roots by contents)."""
+        self._load(name, path, roots, inplace, resolved=False, timeout=timeout)
+
+    def _load(self, name: str, path, roots, inplace: bool, resolved: bool, timeout: float = 600) -> None:
         check_name(name)
         path = os.fspath(path)
+        if not self.alive:
+            raise NotRunning("The engine is not running.")
+        files = self._pool.read(path, roots)  # here: a folder never stalls the engine's thread
 
         def load():
             if name == BASE or name in self._pool and not inplace:
                 raise AdapterExists(f"An adapter named {name!r} is already served (or reserved).")
-            if name in self._pool and self._pool.loaded(name):
-                rows = [r for r, n in enumerate(self._decoder.names) if n == name]
-                old = self._pool.replace(name, path, roots, keep_old=bool(rows))
-                for r in rows:  # they finish on their revision, renamed (the next renewal reads the names)
-                    self._decoder.names[r] = old
-                return
-            self._pool.load(name, path, roots)
-            with self._wake:
-                self._pool.paths[name] = path
-                if inplace:  # an evicted adapter's new files: a new revision
-                    self._pool.revision[name] = self._pool.revision.get(name, -1) + 1
+            if name in self._pool:
+                self._pool.replace(name, files, path, roots, held=self._pool.ref(name).key in self._decoder.names)
+            else:
+                self._pool.add(name, files, path, roots, resolved)
             self._fit(name, idle=True)
         self._command(load, timeout)
 
     def _retire(self, decoder: Decoder) -> None:
-        """Retired revisions (reloads in place) that no row decodes with any more are deleted: queued as
-        a command (a model change, between cycles)."""
-        done = [old for old in self._pool.retired if old not in decoder.names and old not in self._retiring]
-        for old in done:
-            self._retiring.add(old)
+        """Old revisions (reloads in place) that no row decodes with any more are deleted: queued as a
+        command (a model change, between cycles)."""
+        done = [key for key in self._pool.retired if key not in decoder.names and key not in self._retiring]
+        for key in done:
+            self._retiring.add(key)
 
-            def retire(old=old):
-                self._retiring.discard(old)
-                self._pool.retire(old)
+            def retire(key=key):
+                self._retiring.discard(key)
+                self._pool.retire(key)
             self._commands.put((retire, threading.Event(), {}))
 
     def unload_adapter(self, name: str, timeout: float = 600) -> None:
@@ -352,7 +351,7 @@ class Engine:
         def unload():
             with self._wake:  # submit() checks the adapter and queues a request under the same lock
                 if name not in self._pool:
-                    raise UnknownAdapter(f"No adapter named {name!r} is served; served: {list(self._pool.paths)}.")
+                    raise UnknownAdapter(f"No adapter named {name!r} is served; served: {self._pool.names()}.")
                 if self._pool.loaded(name) and len(self.model.peft_config) == 1:
                     raise LastAdapter(f"{name!r} is the last adapter loaded; a PEFT model keeps at least one.")
                 busy = [a for a in [h.request.adapter for h in self._waiting] + self._rows.adapters() if a == name]
@@ -381,6 +380,7 @@ class Engine:
                 handle._finish("cancelled")
             else:
                 self._cancelled.add(handle.request.id)
+            self._nudges += 1
             self._wake.notify()
 
     def start(self) -> "Engine":
@@ -405,6 +405,7 @@ class Engine:
         if self._thread is None or not self._thread.is_alive():  # no row decodes: the model keeps no old revision
             for old in list(self._pool.retired):
                 self._pool.retire(old)
+            self._pool.close()
 
     def _fail_commands(self, error: Exception) -> None:
         while not self._commands.empty():
@@ -450,7 +451,8 @@ class Engine:
 
     def _serve(self, decoder: Decoder) -> str | None:
         """Cycles until a command (an adapter change) arrives, the engine stops, or the first
-        waiting request needs an evicted adapter loaded (its name is returned)."""
+        waiting request needs an evicted adapter loaded and its files are read (its name is
+        returned; until they are, the rows decode on, or the engine waits)."""
         while True:
             with self._wake:
                 while self._running and self._commands.empty() and not self._waiting and not self.running():
@@ -458,17 +460,27 @@ class Engine:
             if not self._commands.empty() or not self._running:
                 return None
             with self._wake:
-                cancelled, self._cancelled = self._cancelled, set()
+                cancelled, self._cancelled, nudges = self._cancelled, set(), self._nudges
             self._rows.drop(decoder, cancelled)
             needed = self._admit(decoder)
             if needed is not None:
-                return needed
+                if self._pool.prefetch(needed, self._notify).done():
+                    return needed
             # The next chunk of prompt slots rides in the cycle's verify pass; alone if no row decodes.
             joining = self._next_chunk(decoder, fold=bool(decoder.batch.active)) if self._chunked else None
             if decoder.batch.active:
                 self._cycle(decoder, joining)
+            elif needed is not None and not self._chunked:  # nothing to do but wait for its files
+                with self._wake:
+                    while self._running and self._commands.empty() and self._nudges == nudges and \
+                            not self._pool.prefetch(needed, self._notify).done():
+                        self._wake.wait()
             if self._pool.retired:
                 self._retire(decoder)
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify()
 
     def _cycle(self, decoder: Decoder, joining=None) -> None:
         """One decoder cycle over the active rows, then delivery; ``joining`` ((group, start, end) of
@@ -504,7 +516,8 @@ class Engine:
         self._rows.deliver(decoder, committed)
 
     def _run_commands(self) -> bool:
-        """Run the queued adapter changes; True if one took effect (a refused or failed one changes nothing)."""
+        """Run the queued adapter changes; True if one took effect (a refused or failed one changes nothing:
+        adapters.py)."""
         changed = False
         while not self._commands.empty():
             fn, done, box = self._commands.get()
@@ -519,24 +532,24 @@ class Engine:
 
     def _publish_adapters(self) -> None:
         with self._state_lock:
-            self._adapters = list(self._pool.paths)
+            self._adapters = self._pool.paths()
             self.metrics["loaded_adapters"] = len(self.model.peft_config)
 
-    # --- bounded adapters (the engine's thread; the pool is adapter_pool.py) ---
+    # --- bounded adapters (the engine's thread; the pool is adapters.py) ---
 
     def _fit(self, loaded: str, idle: bool) -> None:
-        """After loading ``loaded``: evict one adapter if that makes one more than max_cpu_loras (AdapterPool.fit)."""
+        """After loading ``loaded``: evict one adapter if that makes one more than max_cpu_loras (AdapterManager.fit)."""
         self._pool.fit(loaded, set(self._rows.adapters()),
                        {h.request.adapter for h in self._waiting}, idle)
 
     def _reload(self, name: str | None) -> bool:
         """Load the evicted adapter ``name`` that the first waiting request needs (``scheduling.pick`` saw
-        room for it); True if it was loaded. If that fails, the requests waiting for it end with
-        "error" (it stays served: a later request tries again)."""
+        room for it; its files read: ``_serve``); True if it was loaded. If that fails, the requests
+        waiting for it end with "error" (it stays served: a later request tries again)."""
         if name is None or name not in self._pool or self._pool.loaded(name):  # unloaded meanwhile
             return False
         try:
-            self._pool.load(name, self._pool.paths[name])
+            self._pool.reload(name)
             self._fit(name, idle=False)
         except Exception as e:  # noqa: BLE001 - only the requests for this adapter are involved
             logger.exception("hf_invisiblelora engine: loading adapter %r again failed", name)
@@ -561,6 +574,7 @@ class Engine:
             picked, needed = pick(self._waiting, self._rows.most_left(decoder), len(free), self.max_loras, self._pool)
             for h in picked:
                 self._waiting.remove(h)
+                h.ref = self._pool.ref(h.request.adapter)  # the revision it decodes with, whatever comes after
         joining = list(zip(free, picked))
         if not joining:
             return needed
@@ -591,7 +605,6 @@ class Engine:
                 stops = self.stop_ids(h.request.ignore_eos, h.request.stop_token_ids)
                 decoder.set_stops(r, stops)
                 self._policy.set_request(r, h.request, stops)
-                h.revision = self._pool.revision.get(h.request.adapter, 0)
                 if self._prefix is not None:
                     self._prefix.admitted(r)
             # While rows decode, a short prompt rides in a cycle's verify pass (_next_chunk), as the chunks do.
@@ -602,7 +615,7 @@ class Engine:
             # max_tokens 0 (the prompt's log-probabilities only): decoded as 1, nothing delivered (Rows.deliver)
             committed = decoder.admit([r for r, _ in group], ids, mask, prompt_positions(mask, ids),
                                  [max(h.request.max_tokens, 1) for _, h in group],
-                                 [h.request.adapter for _, h in group], upto=0 if chunked else None, cached=cached)
+                                 [h.ref.key for _, h in group], upto=0 if chunked else None, cached=cached)
         except Exception as e:  # noqa: BLE001 - only the group is involved; the rows decoding go on
             self._rows.fail(decoder, group, "prefill", e)
             return
@@ -634,7 +647,7 @@ class Engine:
         try:
             width = decoder.batch.plen_h[r]  # the prompt's slots end where its group's (left-padded) width does
             tokens = h.request.prompt + (decoder.batch.tokens[r, width : width + output].tolist() if output > 0 else [])
-            self._prefix.keep(decoder.fwd.cache, r, h.request.adapter, tokens, width - len(h.request.prompt))
+            self._prefix.keep(decoder.fwd.cache, r, h.ref.key, tokens, width - len(h.request.prompt))
         except Exception:  # noqa: BLE001 - the blocks are an optimization; the requests go on
             logger.exception("hf_invisiblelora engine: keeping prompt blocks failed")
 

@@ -82,7 +82,7 @@ class PrefixCaching:
             if h.request.prompt_logprobs is not None:
                 rest.append((row, h))
                 continue
-            keys = self.cache.chain(self.revisions.root(h.request.adapter), prompt[:-1])
+            keys = self.cache.chain(self.revisions.root(h.ref.key), prompt[:-1])
             n = self.cache.match(keys)
             self.queries, self.hits = self.queries + len(prompt), self.hits + n * self.cache.block
             if n:
@@ -98,9 +98,9 @@ class PrefixCaching:
         self._admitted.pop(row, None)
 
     def keep(self, kv, row: int, adapter: str, tokens: list[int], start: int) -> None:
-        """The keys and values of ``tokens`` (row ``row``'s request under ``adapter``) are in ``kv`` (the
-        engine's SharedCache) from slot ``start`` on: keep their full blocks, unless a renewal came
-        since the request's admission."""
+        """The keys and values of ``tokens`` (row ``row``'s request under ``adapter``, its revision's key:
+        adapters.AdapterRef) are in ``kv`` (the engine's SharedCache) from slot ``start`` on: keep their
+        full blocks, unless a renewal came since the request's admission."""
         if self._admitted.get(row) != self.epoch:
             return
         block = self.cache.block

@@ -111,9 +111,15 @@ class Handle:
         self.finish_reason = None
         self.error = None
         self.drafted = self.accepted = 0
-        self.revision = None  # the adapter's revision it was admitted with (Engine.load_adapter(inplace=True))
+        self.ref = None  # the adapter revision it was admitted with (adapters.AdapterRef)
         self._chunks = queue.Queue()
         self.done = threading.Event()
+
+    @property
+    def revision(self) -> int | None:
+        """The revision of its adapter it decodes with (Engine.load_adapter(inplace=True) makes new
+        ones), once admitted."""
+        return None if self.ref is None else self.ref.revision
 
     def cancel(self) -> None:
         self.engine._cancel(self)

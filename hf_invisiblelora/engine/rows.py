@@ -19,7 +19,7 @@ logger = logging.getLogger("hf_invisiblelora")
 
 class Rows:
     """``handles[r]``: the request (request.Handle) in row r, or None. ``policy``: the engine's
-    RequestPolicy (log-probabilities); ``pool``: its AdapterPool (an adapter's last use);
+    RequestPolicy (log-probabilities); ``pool``: its AdapterManager (an adapter's last use);
     ``count(**added)``: adds to the engine's metrics; ``room``: the slots a row may use;
     ``ended(decoder, r, handle)``: called as a request ends, before its row is freed (its keys and
     values still in it)."""

@@ -18,7 +18,7 @@ def pick(waiting, left: dict, free: int, max_loras: int | None, pool) -> tuple[l
     """The waiting requests (Handles, in arrival order) that take the ``free`` rows now, and the
     evicted adapter to load first (or None). ``left``: the batch's adapters -> the most tokens one
     of their rows has left (updated with the adapters picked); ``pool``: the adapter pool
-    (adapter_pool.py).
+    (adapters.py).
 
     A request whose adapter is not in the batch needs a slot and its adapter loaded. The first one
     that cannot have them yet blocks: no request after it gets a slot first, and the batch's
@@ -49,7 +49,7 @@ def pick(waiting, left: dict, free: int, max_loras: int | None, pool) -> tuple[l
         if not loaded and room:
             needed = a
         if not (slot and room):  # wait for an adapter of the batch to be done (one that can be evicted, for room)
-            target = min((b for b in left if room or pool.paths.get(b)), key=left.get, default=None)
+            target = min((b for b in left if room or pool.restorable(b)), key=left.get, default=None)
     return picked, needed
 
 

@@ -307,9 +307,14 @@ class AdapterBank:
             self._drop_prepared()
 
     def _build(self, check: SourceCheck) -> None:
-        self.modules = named_lora_layers(self.model)
-        if not self.modules:
+        modules = named_lora_layers(self.model)
+        if not modules:
             raise ValueError("no PEFT LoRA layers found in the model")
+        if self.context is not None and [m for _, m in modules] != [m for _, m in self.modules]:
+            # installed() routed the layers there were: new ones would run PEFT's forward in our passes
+            raise RuntimeError("The model's LoRA layers changed during a call (an adapter added to or deleted from "
+                               "other layers meanwhile); change adapters between calls.")
+        self.modules = modules
         names = list(dict.fromkeys(a for _, m in self.modules for a in layer_adapters(m)))
         self.adapter_names = names
         weight = self.modules[0][1].get_base_layer().weight
@@ -323,10 +328,11 @@ class AdapterBank:
         transposed = self.ops is kernels.torch_lora
         self.layers = {m: _Stacks(m, names, dtype, transposed, check) for _, m in self.modules if len(m.lora_A)}
         self.groups = self._make_groups(transposed)
-        # One route per layer for the bank's lifetime (routing.py).
+        # One route per layer for the bank's lifetime (routing.py). It reads the layer's stacks when it
+        # runs: a rebuild while installed (a call's sync) moves slots and stacks together.
         self._routes = {
-            m: (lambda original, x, *args, _m=m, _layer=self.layers.get(m), **kwargs:
-                lora_layer.forward(self, _m, _layer, x, *args, **kwargs))
+            m: (lambda original, x, *args, _m=m, **kwargs:
+                lora_layer.forward(self, _m, self.layers.get(_m), x, *args, **kwargs))
             for _, m in self.modules
         }
         self.version += 1

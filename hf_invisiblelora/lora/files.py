@@ -100,25 +100,48 @@ def _open_folder(folder: str, roots) -> int:
 def _read(fd: int, name: str, limit: int, what: str, roots=None) -> bytes | None:
     """File ``name`` of the open folder (a regular file of at most ``limit`` bytes), or None if there
     is none. Not through a symlink, unless ``roots`` are set and the file it leads to is inside them
-    (``_open_link``)."""
+    (``_open_link``). Opened without blocking: a FIFO or a device is refused, never waited on."""
     try:
-        f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
+        f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
     except FileNotFoundError:
         return None
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise Unreadable(f"{name} cannot be opened ({e.strerror})") from None
         f = _open_link(fd, name, roots)
-    with os.fdopen(f, "rb") as file:
-        st = os.fstat(file.fileno())
-        if not stat.S_ISREG(st.st_mode):
+    return _regular_contents(f, name, limit, what)
+
+
+def _regular_contents(f: int, name: str, limit: int, what: str) -> bytes:
+    """The contents of the open descriptor ``f`` (closed after), a regular file of at most ``limit`` bytes."""
+    try:
+        st = os.fstat(f)
+        if not stat.S_ISREG(st.st_mode):  # a folder, a FIFO, a device: nothing an adapter is made of
             raise Unreadable(f"{name} is not a regular file")
         if st.st_size > limit:
             raise AdapterRefused(f"{name} is {st.st_size} bytes, more than {what} can need ({limit} bytes)")
+    except BaseException:
+        os.close(f)
+        raise
+    with os.fdopen(f, "rb") as file:
         data = file.read(limit + 1)
     if len(data) > limit:
         raise Unreadable(f"{name} grew past {limit} bytes while it was read")
     return data
+
+
+def read_small_file(path: str, limit: int = 4096) -> bytes | None:
+    """The contents of the regular file ``path`` (at most ``limit`` bytes), or None if it is missing,
+    not a regular file, or larger; opened without blocking, so a FIFO never stalls the caller (the
+    resolver's read of a Hub cache's ``refs/main``)."""
+    try:
+        f = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return _regular_contents(f, os.path.basename(path), limit, "a small file")
+    except AdapterRefused:
+        return None
 
 
 def _open_link(fd: int, name: str, roots) -> int:
@@ -130,7 +153,7 @@ def _open_link(fd: int, name: str, roots) -> int:
     if roots is None:
         raise refused
     try:
-        f = os.open(name, os.O_RDONLY, dir_fd=fd)
+        f = os.open(name, os.O_RDONLY | os.O_NONBLOCK, dir_fd=fd)
     except OSError as e:
         raise Unreadable(f"{name} is a symlink that cannot be opened ({e.strerror})") from None
     try:
@@ -279,41 +302,6 @@ def remove_adapter(model, name: str) -> None:
     peft_delete_adapter(model.base_model.model, name, prefix="lora_", layer_cls=LoraLayer)
 
 
-def rename_adapter(model, old: str, new: str) -> None:
-    """Adapter ``old`` under the name ``new``, in every place PEFT's own deletion reads it: each PEFT
-    layer's per-adapter containers (``adapter_layer_names``, ``other_param_names``: lora_A / lora_B,
-    the embedding LoRA, DoRA's magnitudes, modules_to_save's copies, rank, scaling, ...), its frozen
-    weight names, LoRA variants (DoRA's), cached values, active adapters; the model's config entry.
-    PEFT has no rename; a reload in place keeps an adapter's old weights under another name while
-    requests started on them finish (adapter_pool.py)."""
-    for m in model.modules():
-        names = (*getattr(m, "adapter_layer_names", ()), *getattr(m, "other_param_names", ()))
-        places = [_attribute(m, a) for a in names] + [getattr(m, a, None) for a in ("frozen_peft_weight_names",
-                                                                                    "lora_variant")]
-        for place in places:
-            if isinstance(place, (dict, nn.ModuleDict, nn.ParameterDict)) and old in place:
-                place[new] = place.pop(old)
-        active = getattr(m, "_active_adapter", None)
-        if active == old:
-            m._active_adapter = new
-        elif isinstance(active, list) and old in active:
-            m._active_adapter = [new if a == old else a for a in active]
-    _clear_caches(model)  # computed again under the new name
-    model.peft_config[new] = model.peft_config.pop(old)
-    for holder in (model, model.base_model):  # PeftModel's and the tuner's own record of the active adapter(s)
-        active = holder.__dict__.get("active_adapter")
-        if active == old:
-            holder.active_adapter = new
-        elif isinstance(active, list) and old in active:
-            holder.active_adapter = [new if a == old else a for a in active]
-
-
-def _attribute(m, dotted: str):
-    for part in dotted.split("."):
-        m = getattr(m, part, None)
-    return m
-
-
 def add_adapter(model, name: str, files: AdapterFiles, check=None) -> None:
     """PEFT's ``load_adapter`` on ``files`` (injection, then the weights; in eval mode), then
     ``check()`` if given (it raises to refuse the adapter); or, if any of it fails, the model exactly
@@ -322,7 +310,10 @@ def add_adapter(model, name: str, files: AdapterFiles, check=None) -> None:
     raised."""
     before = [(parent, key, child) for parent in model.modules() for key, child in parent._modules.items()]
     try:
-        model.add_adapter(name, files.config, autocast_adapter_dtype=True)
+        try:
+            model.add_adapter(name, files.config, autocast_adapter_dtype=True)
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:  # PEFT's words for a config it cannot apply here
+            raise Unreadable(f"PEFT cannot add the adapter to this model: {_one_line(e)}") from e
         _load_weights(model, name, files.weights)
         model.eval()
         if check is not None:
@@ -368,11 +359,20 @@ def overwrite_adapter(model, name: str, files: AdapterFiles, check=None) -> None
 def _load_weights(model, name: str, weights: dict) -> None:
     """PEFT's state dict ``weights`` into adapter ``name``'s tensors; Unreadable if it lacks some."""
     device = next(model.parameters()).device
-    result = set_peft_model_state_dict(model, {k: v.to(device) for k, v in weights.items()}, adapter_name=name)
+    try:
+        result = set_peft_model_state_dict(model, {k: v.to(device) for k, v in weights.items()}, adapter_name=name)
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:  # PEFT's and torch's words for tensors that do not fit
+        raise Unreadable(f"the adapter's weights do not fit this model's layers (made for another model?): "
+                         f"{_one_line(e)}") from e
     missing = [k for k in result.missing_keys if "lora_" in k and f".{name}." in k]
     if missing:
         raise Unreadable(f"the adapter's weights lack {len(missing)} of its layers' tensors, e.g. "
                          f"{missing[0].replace('.' + name, '')!r} (made for another model?)")
+
+
+def _one_line(error: Exception) -> str:
+    """``error``'s message on one line, at most 300 characters (PEFT's load errors run to thousands)."""
+    return " ".join(str(error).split())[:300]
 
 
 def _clear_caches(model) -> None:

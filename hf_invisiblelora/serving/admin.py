@@ -9,7 +9,7 @@ import os
 
 from starlette.concurrency import run_in_threadpool
 
-from ..engine.adapter_pool import check_name
+from ..engine.adapters import check_name
 from ..engine.engine import AdapterBusy, AdapterExists, LastAdapter, NotRunning, UnknownAdapter
 from ..model.walk import BASE
 from .protocol import ApiError, adapter_refused, bad, json_body, show
@@ -30,8 +30,9 @@ def missing(option: str, path: str, needed: str, what: str) -> str | None:
 
 
 class AdapterAdmin:
-    """The Server's adapter endpoints: on only with ``runtime_updates``, from inside ``lora_roots``;
-    they keep ``adapter_paths`` (the names taken) in step with the engine's adapters."""
+    """The Server's adapter endpoints: on only with ``runtime_updates``, from inside ``lora_roots``.
+    What is served is the engine's alone (Engine.adapters, adapter_paths): no copy here can disagree
+    with it, whatever commands race."""
 
     def check_runtime_updates(self) -> None:
         if not self.runtime_updates:
@@ -68,29 +69,21 @@ class AdapterAdmin:
             raise bad("lora_name", str(e)) from None
         folder = self.adapter_folder(path)
         self.check_alive()
-        # Checked and taken with no await in between, so atomic on the event loop: of two loads under
-        # one new name, the second gets adapter_exists here (and the engine's AdapterExists backs it up).
         exists = ApiError(400, f"The name {show(name)} is already in use (an adapter or the base model).",
                           param="lora_name", code="adapter_exists")
-        if name in (self.model_id, BASE) or name in self.adapter_paths and not inplace:
+        if name == self.model_id:
             raise exists
-        before = self.adapter_paths.get(name)
-        self.adapter_paths[name] = path
-        try:  # the engine reads the files inside the roots, refuses what it cannot serve, rolls back a failed load
+        try:  # the engine reads the files inside the roots and refuses what it cannot serve; a failure changes nothing
             await run_in_threadpool(self.engine.load_adapter, name, folder, roots=self.lora_roots or None,
                                     inplace=inplace)
         except Exception as e:  # noqa: BLE001 - PEFT's errors for a bad folder are of many kinds
-            if before is None:
-                del self.adapter_paths[name]
-            else:  # a failed reload in place: the adapter serves on as it was
-                self.adapter_paths[name] = before
             if isinstance(e, NotRunning):
                 raise self.unavailable() from e
-            if isinstance(e, AdapterExists):
+            if isinstance(e, AdapterExists):  # served already (without load_inplace), or the base model's name
                 raise exists from e
             raise adapter_refused(e, "lora_path") from e
-        logger.info("%s adapter %r from %s", "reloaded" if before else "loaded", name, folder)
-        return {"object": "lora_adapter", "id": name, "status": "reloaded" if before else "loaded"}
+        logger.info("%s adapter %r from %s", "reloaded" if inplace else "loaded", name, folder)
+        return {"object": "lora_adapter", "id": name, "status": "reloaded" if inplace else "loaded"}
 
     async def unload_adapter(self, request):
         self.check_runtime_updates()
@@ -108,6 +101,5 @@ class AdapterAdmin:
             raise ApiError(404, str(e), param="lora_name", code="model_not_found") from e
         except NotRunning as e:
             raise self.unavailable() from e
-        self.adapter_paths.pop(name, None)
         logger.info("unloaded adapter %r", name)
         return {"object": "lora_adapter", "id": name, "status": "unloaded"}

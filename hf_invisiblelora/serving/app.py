@@ -29,20 +29,17 @@ class Server(Completions, AdapterAdmin):
     """The HTTP side of one engine: its state, the completion and chat endpoints (Completions), the
     adapter endpoints (AdapterAdmin), /v1/models and /health; ``build_app`` routes to them.
 
-    ``root``: the base model's folder; ``adapter_paths``: each adapter's folder (both as given, for
-    /v1/models). ``api_key``: None, or what ``Authorization: Bearer`` must carry on /v1; adapters
+    ``root``: the base model's folder (as given, for /v1/models; each adapter's is the engine's,
+    Engine.adapter_paths). ``api_key``: None, or what ``Authorization: Bearer`` must carry on /v1; adapters
     load at run time only if ``runtime_updates``, from inside ``lora_roots`` (resolved folders;
     none: anywhere); bodies of at most ``max_body_bytes``. Structured outputs' grammars are compiled
     by ``grammars`` (decode.grammar.Grammars: its process starts with the app's lifespan, or at the
     first compilation), each within ``grammar_compile_timeout`` seconds."""
 
-    def __init__(self, engine, tokenizer, model_id: str, root: str | None = None,
-                 adapter_paths: dict[str, str] | None = None, *, api_key: str | None = None,
+    def __init__(self, engine, tokenizer, model_id: str, root: str | None = None, *, api_key: str | None = None,
                  runtime_updates: bool = False, lora_roots: list[str] = (), max_body_bytes: int = MAX_BODY_BYTES,
                  grammar_compile_timeout: float = GRAMMAR_COMPILE_TIMEOUT):
         self.engine, self.tokenizer, self.model_id, self.root = engine, tokenizer, model_id, root
-        # Loaded adapters and those being loaded: a name in it is taken (load_adapter).
-        self.adapter_paths = dict(adapter_paths or {})
         self.api_key, self.runtime_updates, self.lora_roots = api_key, runtime_updates, list(lora_roots)
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -108,8 +105,8 @@ class Server(Completions, AdapterAdmin):
     def models(self) -> dict:
         entry = dict(object="model", created=self.created, owned_by="hf_invisiblelora")
         data = [dict(entry, id=self.model_id, root=self.root or self.model_id, parent=None)]
-        data += [dict(entry, id=name, root=self.adapter_paths.get(name), parent=self.model_id)
-                 for name in self.engine.adapters()]
+        data += [dict(entry, id=name, root=path, parent=self.model_id)
+                 for name, path in self.engine.adapter_paths().items()]
         return {"object": "list", "data": data}
 
     def health(self) -> tuple[dict, int]:

@@ -257,7 +257,7 @@ def build_server(args: argparse.Namespace) -> Server | int:
                     max_lora_rank=args.max_lora_rank, prefix_caching=args.enable_prefix_caching,
                     prefix_cache_bytes=args.prefix_cache_bytes, lora_resolver_dirs=args.lora_resolver_dir).start()
     lora_roots = [os.path.realpath(root) for root in args.lora_root]
-    return Server(engine, tokenizer, model_id, root, adapter_paths, api_key=args.api_key,
+    return Server(engine, tokenizer, model_id, root, api_key=args.api_key,
                   runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,
                   max_body_bytes=args.max_body_bytes, grammar_compile_timeout=args.grammar_compile_timeout)
 

@@ -10,7 +10,7 @@ import uuid
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from ..engine.adapter_pool import NAME
+from ..engine.adapters import NAME
 from ..engine.engine import AdapterUnsupported, NotRunning, PromptTooLong, QueueFull, UnknownAdapter
 from ..lora.files import AdapterRefused
 from ..model.walk import BASE

@@ -9,7 +9,7 @@ import math
 
 from starlette.concurrency import run_in_threadpool
 
-from ..engine.adapter_pool import AdapterUnsupported
+from ..engine.adapters import AdapterUnsupported
 from ..engine.engine import Request
 from ..lora.files import OutsideRoots, Unreadable
 

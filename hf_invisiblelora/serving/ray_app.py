@@ -21,7 +21,7 @@ not ``host`` / ``port``.
   process for each request. An adapter the replica serves is registered with Ray Serve's
   multiplexing when a request names it (Ray Serve's least-recently-used bound per replica,
   ``max_adapters_per_replica``); the engine itself loads adapters on demand and evicts idle ones
-  past ``max_cpu_loras`` (adapter_pool.py), so the two agree on what a replica holds.
+  past ``max_cpu_loras`` (adapters.py), so the two agree on what a replica holds.
 
 Runtime adapter loading (``allow_runtime_lora_updating``) is refused: one call would reach one
 replica; the adapters are the application's config (``serve deploy`` a new one to change them).
@@ -145,7 +145,7 @@ class LoRAReplica:
         self.replica = serve.get_replica_context().replica_id.unique_id
 
         async def hold(name: str) -> str:
-            return name  # the engine loads it when a request needs it (adapter_pool.py)
+            return name  # the engine loads it when a request needs it (adapters.py)
 
         bound = max_adapters or max(len(server.engine.adapters()), 1)
         self.hold = serve.multiplexed(max_num_models_per_replica=bound)(hold)
