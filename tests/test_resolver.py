@@ -17,7 +17,7 @@ from test_serve_security import assert_error, call
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.engine import Engine, Request, UnknownAdapter
 from hf_invisiblelora.engine.adapters import AdapterUnsupported
-from hf_invisiblelora.lora.files import OutsideRoots
+from hf_invisiblelora.lora.files import OutsideRoots, Unreadable
 from tiny import tiny_peft
 
 
@@ -57,6 +57,13 @@ def folders(tmp_path_factory):
     shutil.copytree(sources["plain"], lookup / "plain")
     shutil.copytree(sources["nested"], lookup / "team" / "nested")
     shutil.copytree(root / "sources" / "nan" / "x", lookup / "nan")
+    other = tiny_peft("llama", vocab=80, adapters={"x": dict(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"])},
+                      strength=0.6, seed=4)
+    other.save_pretrained(root / "sources" / "other")  # made for a model with another vocabulary
+    shutil.copytree(root / "sources" / "other" / "x", lookup / "other")
+    shutil.copytree(sources["plain"], lookup / "dir")
+    os.remove(lookup / "dir" / "adapter_model.safetensors")
+    os.mkdir(lookup / "dir" / "adapter_model.safetensors")  # a folder where the weights file should be
     hub = root / "hub"
     hub_cache(hub, "org", "cached", sources["cached"])
     leaky = hub_cache(hub, "org", "leaky", sources["cached"])
@@ -135,10 +142,73 @@ def test_resolved_adapters_are_evicted_and_loaded_again(folders, tmp_path):
         engine.stop()
 
 
+def test_resolved_adapters_are_bounded_by_default_and_found_afresh(folders, tmp_path):
+    """With no --max-cpu-loras, resolved adapters are bounded (by max_loras, else max_batch; vLLM's
+    default): requests naming many resolvable copies leave at most that many loaded, the evicted ones
+    forgotten. A name whose folder is removed after its eviction is then a name found nowhere (404), and
+    resolved afresh once it is back."""
+    lookup = tmp_path / "lookup"
+    for i in range(8):
+        shutil.copytree(folders["sources"]["plain"], lookup / f"copy{i}")
+    served = tiny_peft("llama", adapters=("s",), strength=0.6)
+    ref = tiny_peft("llama", adapters=("s",), strength=0.6)
+    ref.load_adapter(str(folders["sources"]["plain"]), adapter_name="plain")
+    prompt = [9, 8, 7, 6]
+    expected = standalone(ref, prompt, "plain", 5)
+    engine = Engine(served, max_batch=4, max_len=64, max_loras=2, lora_resolver_dirs=[lookup]).start()
+    try:
+        assert engine.max_cpu_loras == 2
+        for i in range(8):
+            assert engine.submit(Request(prompt, adapter=f"copy{i}", max_tokens=5, temperature=0)).result(60) == expected
+            assert len(served.peft_config) <= 2 and len(engine.adapters()) <= 2  # s, and one resolved at most
+        assert "copy0" not in engine.adapters()  # evicted: forgotten
+        shutil.rmtree(lookup / "copy0")
+        with pytest.raises(UnknownAdapter):
+            engine.submit(Request(prompt, adapter="copy0", max_tokens=5, temperature=0))
+        shutil.copytree(folders["sources"]["plain"], lookup / "copy0")
+        assert engine.submit(Request(prompt, adapter="copy0", max_tokens=5, temperature=0)).result(60) == expected
+    finally:
+        engine.stop()
+
+
+def test_a_fifo_in_a_resolver_folder_stalls_no_one(folders, tmp_path):
+    """A Hub cache whose refs/main is a FIFO, and a folder whose weights file is one: each is looked up
+    and refused (or found by its snapshot) without waiting on the FIFO, and other requests are served."""
+    hub = tmp_path / "hub"
+    snapshot = hub_cache(hub, "org", "piped", folders["sources"]["cached"])
+    main = snapshot.parent.parent / "refs" / "main"
+    main.unlink()
+    os.mkfifo(main)
+    lookup = tmp_path / "lookup"
+    shutil.copytree(folders["sources"]["plain"], lookup / "piped")
+    os.remove(lookup / "piped" / "adapter_model.safetensors")
+    os.mkfifo(lookup / "piped" / "adapter_model.safetensors")
+    served = tiny_peft("llama", adapters=("s",), strength=0.6)
+    ref = tiny_peft("llama", adapters=("s",), strength=0.6)
+    ref.load_adapter(str(folders["sources"]["cached"]), adapter_name="cached")
+    prompt = [9, 8, 7, 6]
+    engine = Engine(served, max_batch=2, max_len=64, lora_resolver_dirs=[lookup, hub]).start()
+    done = []
+    try:
+        def submit():
+            with pytest.raises(Unreadable, match="not a regular file"):
+                engine.submit(Request(prompt, adapter="piped", max_tokens=5, temperature=0))
+            out = engine.submit(Request(prompt, adapter="org/piped", max_tokens=5, temperature=0)).result(60)
+            done.append(out == standalone(ref, prompt, "cached", 5))
+        thread = threading.Thread(target=submit, daemon=True)
+        thread.start()
+        thread.join(30)
+        assert done == [True]
+        assert engine.submit(Request(prompt, adapter="s", max_tokens=5, temperature=0)).result(30) == \
+            standalone(ref, prompt, "s", 5)
+    finally:
+        engine.stop()
+
+
 def test_over_http(files, folders, tmp_path):  # noqa: F811
     """The server with --lora-resolver-dir: 200 for an adapter found (then listed), 404 for a name
-    found nowhere, 400 for a folder whose adapter cannot be served, 403 for a Hub snapshot whose
-    file leads outside the cache."""
+    found nowhere, 400 for a folder whose adapter cannot be served (not finite, made for another
+    model, a folder as its weights file), 403 for a Hub snapshot whose file leads outside the cache."""
     with launch(files, tmp_path / "server.log", "--lora-resolver-dir", str(folders["lookup"]),
                 "--lora-resolver-dir", str(folders["hub"])) as (url, _):
         body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
@@ -147,5 +217,8 @@ def test_over_http(files, folders, tmp_path):  # noqa: F811
         assert "org/cached" in [m["id"] for m in call(url, "/v1/models", key=None).body["data"]]
         assert_error(call(url, "/v1/completions", dict(body, model="nowhere"), key=None), 404, "model_not_found")
         assert_error(call(url, "/v1/completions", dict(body, model="nan"), key=None), 400, "adapter_unsupported")
+        for name in ("other", "dir"):  # weights shaped for another model; a folder as the weights file
+            assert_error(call(url, "/v1/completions", dict(body, model=name), key=None), 400, "adapter_load_failed")
+        assert call(url, "/v1/completions", dict(body, model="s"), key=None).status == 200
         assert_error(call(url, "/v1/completions", dict(body, model="org/leaky"), key=None), 403,
                      "lora_path_not_allowed")

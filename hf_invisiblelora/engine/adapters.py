@@ -245,8 +245,8 @@ class AdapterManager:
 
     def retire(self, key: str) -> None:
         """Delete an old revision (no row decodes with it any more)."""
-        self.retired.discard(key)
         remove_adapter(self.model, key)
+        self.retired.discard(key)
 
     def forget(self, name: str) -> None:
         """Stop serving ``name`` (its current revision deleted from the model if loaded)."""
@@ -267,16 +267,21 @@ class AdapterManager:
 
     def fit(self, loaded: str, running, waiting, idle: bool) -> str | None:
         """After loading ``loaded``: if that makes one adapter more than max_cpu_loras, evict the
-        first of ``evictable`` (``loaded`` itself when there is none); returns the evicted one."""
+        first of ``evictable`` (``loaded`` itself when there is none); returns the evicted one. An
+        eviction that fails is logged and leaves the victim loaded: the load it follows stands."""
         if self.max_cpu_loras is None or self.held() <= self.max_cpu_loras:
             return None
         victim = next(iter(self.evictable(loaded, running, waiting, idle)), loaded)
         s = self.served[victim]
-        if s.resolved:
-            self.forget(victim)
-        else:
-            remove_adapter(self.model, s.key)
-            s.key = None
+        try:
+            if s.resolved:
+                self.forget(victim)
+            else:
+                remove_adapter(self.model, s.key)
+                s.key = None
+        except Exception:  # noqa: BLE001 - the load stands; the victim stays loaded, one past the bound until the next
+            logger.exception("hf_invisiblelora engine: evicting adapter %r failed; it stays loaded", victim)
+            return None
         self.evictions += 1
         logger.info("hf_invisiblelora engine: evicted adapter %r (max_cpu_loras=%d)", victim, self.max_cpu_loras)
         return victim
