@@ -27,7 +27,7 @@ from peft import PeftModel
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.engine import AdapterBusy, AdapterUnsupported, Engine, Request, UnknownAdapter, adapters
 from hf_invisiblelora.engine.request import Status
-from hf_invisiblelora.lora import files as lora_files
+from hf_invisiblelora.lora import peft_ops
 from hf_invisiblelora.lora.files import Unreadable
 from test_serve import files, generate, launch, reference, request  # noqa: F401  (fixtures)
 from tiny import tiny_peft
@@ -109,9 +109,9 @@ def raising_after(target, name: str, error: BaseException, times: int = 1):
 
 STEP_FAILURES = {  # step -> (where to patch, attribute, error raised, the error the command raises)
     "injection": (PeftModel, "add_adapter", RuntimeError("injected in PEFT's injection"), Unreadable),
-    "weights": (lora_files, "set_peft_model_state_dict", RuntimeError("injected in the weights' loading"), Unreadable),
+    "weights": (peft_ops, "set_peft_model_state_dict", RuntimeError("injected in the weights' loading"), Unreadable),
     "check": (adapters, "check_model", ValueError("injected in the servable check"), AdapterUnsupported),
-    "memory": (lora_files, "set_peft_model_state_dict", MemoryError("injected"), MemoryError),
+    "memory": (peft_ops, "set_peft_model_state_dict", MemoryError("injected"), MemoryError),
 }
 
 

@@ -12,7 +12,7 @@ can name) beside the old one, or, when no row holds the old one and the new conf
 modules (a training loop's next checkpoint), writes the new weights into the old tensors. An old
 revision is kept (``retired``) while rows decode with it, then deleted (the engine queues ``retire``).
 
-Every command either completes or changes nothing: its one model operation comes first (files.py's
+Every command either completes or changes nothing: its one model operation comes first (peft_ops.py's
 add, overwrite or remove, each all or nothing: PEFT's order of the other adapters is never touched),
 and the records here change only after it, in steps that cannot fail. Files are read by ``read``,
 on the caller's thread (a command's) or the reader thread (an evicted adapter's, ``prefetch``),
@@ -42,17 +42,8 @@ from dataclasses import dataclass
 
 from ..decode.checks import check_model
 from ..lora.bank import nonfinite
-from ..lora.files import (
-    MAX_RANK,
-    AdapterRefused,
-    OutsideRoots,
-    Unreadable,
-    add_adapter,
-    overwrite_adapter,
-    read_adapter,
-    remove_adapter,
-    same_layout,
-)
+from ..lora.files import MAX_RANK, AdapterRefused, OutsideRoots, Unreadable, read_adapter
+from ..lora.peft_ops import add_adapter, overwrite_adapter, remove_adapter, same_layout
 from ..model.walk import BASE
 
 logger = logging.getLogger("hf_invisiblelora")
