@@ -179,7 +179,7 @@ def test_the_core_imports_neither_the_zoo_nor_its_requirements():
 
     found = []
     for package in (hf_invisiblelora, hf_invisiblelora.kernels, hf_invisiblelora.serving):
-        for path in sorted(Path(package.__file__).parent.glob("*.py")):
+        for path in sorted(p for folder in package.__path__ for p in Path(folder).glob("*.py")):
             tree = ast.parse(path.read_text())
             for node in tree.body if path == Path(cli.__file__) else ast.walk(tree):
                 if isinstance(node, ast.Import):
