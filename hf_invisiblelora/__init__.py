@@ -10,6 +10,7 @@ import importlib.util
 import logging
 import os
 import sys
+import warnings
 
 
 def _kernels_from_source() -> None:
@@ -47,6 +48,10 @@ def _quiet_imports():
 
 
 _kernels_from_source()
+# PEFT reads Transformers' deprecated ``is_gradient_checkpointing`` whenever it wraps a model (PeftModel,
+# load_adapter): a FutureWarning a user cannot act on. Exactly that message, from that module, is silenced.
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning,
+                        module="transformers.modeling_utils")
 with _quiet_imports():
     from .api import InvisibleLoRAOutput, generate, install, warm_up
     from .decode.stats import DecodingStats

@@ -1,4 +1,5 @@
-"""The usual commands work from the checkout's folder, with and without ``-P``.
+"""The usual commands work from the checkout's folder, with and without ``-P``, and print no warning a user
+cannot act on.
 
 Without ``-P`` the folder is on ``sys.path`` first: the checkout's ``hf_invisiblelora`` is imported, and its
 top-level ``kernels/`` folder must not shadow Hugging Face's ``kernels`` package, which Transformers imports
@@ -42,3 +43,18 @@ def test_runs_from_the_checkout(command, safe_path):
         assert done.stdout.startswith("usage: python -m hf_invisiblelora.serve")
     else:
         assert "tests collected" in done.stdout
+
+
+def test_pefts_deprecated_property_read_is_silenced_and_nothing_else():
+    """PEFT reads Transformers' deprecated ``is_gradient_checkpointing`` whenever it wraps a model;
+    ``import hf_invisiblelora`` silences that FutureWarning (the Usage code, the server) and no other."""
+    code = ("import warnings, hf_invisiblelora\n"
+            "from peft import LoraConfig, get_peft_model\n"
+            "from transformers import LlamaConfig, LlamaForCausalLM\n"
+            "config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,\n"
+            "                     num_attention_heads=4, num_key_value_heads=2)\n"
+            "get_peft_model(LlamaForCausalLM(config), LoraConfig(target_modules=['q_proj']))\n"
+            "warnings.warn('another deprecation', FutureWarning)\n")
+    done = subprocess.run([sys.executable, "-P", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "is_gradient_checkpointing" not in done.stderr and "FutureWarning: another deprecation" in done.stderr

@@ -24,7 +24,6 @@ import contextlib
 import statistics
 import sys
 import time
-import warnings
 
 import torch
 
@@ -90,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
     threads = set_threads(args.threads)
     print(threads, file=sys.stderr)
     torch.manual_seed(0)
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)  # PEFT's
 
     try:
         build("smollm2", only=args.adapters)  # no-op when they exist
