@@ -12,8 +12,8 @@
 #   bash benchmarks/gpu_check.sh --dry-run            (tests/test_gpu_check.py runs it)
 #
 # 1. installs the project from a copy of this tree into a separate folder (as a user would get it)
-#    and runs the tests against that installed package (python -P: the source folder, which has no
-#    kernels/ subpackage, stays off sys.path), the CUDA-graph tests first (a cold Triton cache
+#    and runs the tests against that installed package (python -P: the source folder stays off
+#    sys.path, so the installed copy is what runs), the CUDA-graph tests first (a cold Triton cache
 #    compiles every kernel on first use);
 # 2. times decoding in bf16 on SmolLM2-135M's shape with 16 random adapters (the zoo's files cannot
 #    travel; acceptance is synthetic and reported): batch 8/32/64, 8/16 distinct adapters, the

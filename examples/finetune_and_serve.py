@@ -18,9 +18,8 @@ import warnings
 from pathlib import Path
 
 # Quiet what is not this notebook's to fix: tqdm's note that ipywidgets are missing (importing
-# Transformers loads tqdm.auto) and PEFT's call of a deprecated Transformers property.
+# Transformers loads tqdm.auto).
 warnings.filterwarnings("ignore", message="IProgress not found")
-warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 import matplotlib.pyplot as plt
 import torch

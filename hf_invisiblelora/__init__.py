@@ -5,27 +5,29 @@
 """
 
 import contextlib
+import importlib.machinery
 import importlib.util
 import logging
 import os
 import sys
+import warnings
 
 
 def _kernels_from_source() -> None:
-    """From a source checkout (its root on ``sys.path``: python without ``-P`` there, a notebook),
-    the top-level ``kernels/`` folder is this package's ``kernels`` subpackage, as setup.cfg maps
-    it at install (the import name ``kernels`` belongs to a Hugging Face package)."""
+    """From a source checkout (its root on ``sys.path``: python without ``-P`` there, a notebook, an
+    editable install), the top-level ``kernels/`` folder is this package's ``kernels`` subpackage, as
+    setup.cfg maps it at install. It has no ``__init__.py``, so that the checkout's folder on ``sys.path``
+    cannot shadow the import name ``kernels``, Hugging Face's package (Transformers imports it)."""
     here = os.path.dirname(os.path.abspath(__file__))
     folder = os.path.join(os.path.dirname(here), "kernels")
     name = f"{__name__}.kernels"
     if name in sys.modules or os.path.isdir(os.path.join(here, "kernels")) or \
-            not os.path.isfile(os.path.join(folder, "__init__.py")):
+            not os.path.isfile(os.path.join(folder, "meta.py")):
         return
-    spec = importlib.util.spec_from_file_location(name, os.path.join(folder, "__init__.py"),
-                                                  submodule_search_locations=[folder])
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    spec.submodule_search_locations = [folder]
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
     globals()["kernels"] = module
 
 
@@ -46,6 +48,10 @@ def _quiet_imports():
 
 
 _kernels_from_source()
+# PEFT reads Transformers' deprecated ``is_gradient_checkpointing`` whenever it wraps a model (PeftModel,
+# load_adapter): a FutureWarning a user cannot act on. Exactly that message, from that module, is silenced.
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning,
+                        module="transformers.modeling_utils")
 with _quiet_imports():
     from .api import InvisibleLoRAOutput, generate, install, warm_up
     from .decode.stats import DecodingStats

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from hf_invisiblelora.kernels import get_backend, make_meta, torch_lora
+from hf_invisiblelora.kernels import torch_lora
+from hf_invisiblelora.kernels.meta import get_backend, make_meta
 from hf_invisiblelora.kernels.reference import lora_reference
 
 PATTERNS = ["distinct", "uniform", "skewed", "identical", "with_none", "all_none", "sorted_rows"]

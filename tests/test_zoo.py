@@ -17,6 +17,8 @@ import hf_invisiblelora  # noqa: F401  (generate(invisible_lora=True))
 from hf_invisiblelora import zoo
 from hf_invisiblelora.zoo import corpora
 from hf_invisiblelora.zoo.__main__ import main as zoo_main
+from hf_invisiblelora.decode.stats import DecodingStats
+from hf_invisiblelora.zoo.demo import drafting_note as demo_drafting_note
 from hf_invisiblelora.zoo.demo import main as demo_main
 
 
@@ -167,6 +169,26 @@ def test_an_asset_that_cannot_be_had_is_one_error_and_an_exit_status(tmp_path, m
     assert "error: no recipe for adapters ['nope']" in capsys.readouterr().err
 
 
+def test_demo_runs_the_batch_and_one_row_by_itself(tiny_world, monkeypatch, capsys):
+    """The demo on a tiny zoo: the mixed batch, then its first row by itself, each with the gate's statistics per
+    adapter and how often it drafted; the same text all three ways."""
+    monkeypatch.setitem(zoo.recipes.ZOOS, "smollm2", tiny_world)
+    args = ["--adapters", "toy", "--prompt-tokens", "8", "--max-new-tokens", "6", "--repeats", "1", "--threads", "1"]
+    assert demo_main(args) == 0
+    out = capsys.readouterr().out
+    assert "same text: 3/3 rows" in out and "One row by itself (batch 1), [toy]" in out and "same text: 1/1 rows" in out
+    assert out.count("the gate drafted in ") == 2 and out.count("toy: rows ") == 2
+
+
+def test_demo_says_why_the_gate_hardly_drafted():
+    stats = DecodingStats(["a", "b"], 4, cycles=10, k_per_cycle=[4, 4, 4, 4, 4, 4, 0, 0, 0, 0])
+    assert demo_drafting_note(stats, 2, 4) == "the gate drafted in 6 of 10 cycles."
+    stats.k_per_cycle = [0] * 9 + [2]
+    note = demo_drafting_note(stats, 9, 4)
+    assert note.startswith("the gate drafted in 1 of 10 cycles: it drafts where the measured cost of the passes")
+    assert "here (9 rows) a draft pass and a verify pass up to 4 tokens wider per row" in note
+
+
 FORBIDDEN_IN_CORE = ("tqdm", "gguf", "hf_invisiblelora.zoo")
 
 
@@ -179,7 +201,7 @@ def test_the_core_imports_neither_the_zoo_nor_its_requirements():
 
     found = []
     for package in (hf_invisiblelora, hf_invisiblelora.kernels, hf_invisiblelora.serving):
-        for path in sorted(Path(package.__file__).parent.glob("*.py")):
+        for path in sorted(p for folder in package.__path__ for p in Path(folder).glob("*.py")):
             tree = ast.parse(path.read_text())
             for node in tree.body if path == Path(cli.__file__) else ast.walk(tree):
                 if isinstance(node, ast.Import):

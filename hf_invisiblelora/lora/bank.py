@@ -30,7 +30,8 @@ from typing import NamedTuple
 import torch
 from peft.utils.integrations import dequantize_module_weight
 
-from .. import kernels
+from ..kernels import torch_lora
+from ..kernels.meta import get_backend, make_meta
 from ..model.derived import SourceCheck
 from ..model.quantized import rounds_delta
 from ..model.routing import ALL
@@ -324,8 +325,8 @@ class AdapterBank:
         for w in adapters:
             dtype = torch.promote_types(dtype, w.dtype)
         self.dtype = dtype
-        self.ops = kernels.get_backend(self.device, dtype)
-        transposed = self.ops is kernels.torch_lora
+        self.ops = get_backend(self.device, dtype)
+        transposed = self.ops is torch_lora
         self.layers = {m: _Stacks(m, names, dtype, transposed, check) for _, m in self.modules if len(m.lora_A)}
         self.groups = self._make_groups(transposed)
         # One route per layer for the bank's lifetime (routing.py). It reads the layer's stacks when it
@@ -430,7 +431,7 @@ class AdapterBank:
                                  "tokens (e.g. LoRA on MoE experts, which see routed tokens); not supported")
             else:
                 slots = self.token_slots(adapters, tokens // rows)
-            meta = memo[tokens] = kernels.make_meta(slots, len(self.adapter_names), previous=self._last_meta)
+            meta = memo[tokens] = make_meta(slots, len(self.adapter_names), previous=self._last_meta)
         if not meta.no_lora:
             self._last_meta = meta
         return meta

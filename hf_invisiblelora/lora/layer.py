@@ -14,7 +14,7 @@ import torch
 from peft.tuners.lora.layer import Embedding as LoraEmbedding
 from torch import nn
 
-from .. import kernels
+from ..kernels import torch_lora
 from ..model.context import real_tokens
 
 # The packed path (packed_delta) multiplies every token by every active adapter: it is used while
@@ -65,7 +65,7 @@ def _add_delta(bank, m, layer, x, x2, flat, meta, embedding: bool) -> None:
     round_delta = bank.round_delta or layer.rounds
     # DoRA scales the base output too: the delta apart first, in the adapters' dtype.
     delta = torch.zeros(flat.shape, dtype=bank.dtype, device=flat.device) if dora else flat
-    if bank.ops is kernels.torch_lora and \
+    if bank.ops is torch_lora and \
             (meta.static or x2.shape[0] * (len(meta.active_slots) - 1) <= PACKED_WASTE):
         packed_delta(layer, x, x2, delta, meta, round_delta)
     else:

@@ -22,7 +22,7 @@ compiles it once per bucket:
   with no adapter and are dropped from the logits;
 - the cache length padded to a bucket (powers of two from 64, then multiples of 1024), and every
   pass attends over all of it (the masks hide what a row may not see);
-- adapter metadata of fixed size (``kernels.make_meta(static=True)``), masks and position ids in
+- adapter metadata of fixed size (``make_meta(static=True)``), masks and position ids in
   per-bucket buffers updated in place;
 - on the torch path (the CPU), the active adapters' weights side by side (``AdapterBank.fix``), as
   the eager packed path has them, padded to what any set of as many adapters of as high a rank
@@ -49,7 +49,8 @@ import types
 
 import torch
 
-from .. import kernels
+from ..kernels import torch_lora
+from ..kernels.meta import BACKEND_ENV, get_backend, make_meta
 from .cache import SharedCache
 from .context import PassContext
 from .layout import RowLayout
@@ -118,11 +119,11 @@ def backend_for(option, device: torch.device, dtype: torch.dtype, lora_backend: 
         raise ValueError("compile=True needs lora_backend='bank' (PEFT's per-adapter loop has no fixed shapes).")
     if device.type != "cuda":
         return "inductor"
-    if kernels.get_backend(device, dtype) is kernels.torch_lora:  # its loop reads segment sizes on the host
+    if get_backend(device, dtype) is torch_lora:  # its loop reads segment sizes on the host
         if option == "auto":
             return None
         raise ValueError(f"CUDA graphs need the Triton kernels (triton installed; fp32/fp16/bf16, not {dtype}) "
-                         f"and {kernels.BACKEND_ENV} unset or 'triton'.")
+                         f"and {BACKEND_ENV} unset or 'triton'.")
     return "cuda_graphs"
 
 
@@ -242,7 +243,7 @@ class CompiledForward:
         self.row_slots[: len(names)] = self.bank.slots([a or BASE for a in names])
         self.fresh_metas = set()
         self.adapters = None
-        if self.bank.ops is kernels.torch_lora:  # the packed path: the active adapters' weights at fixed widths
+        if self.bank.ops is torch_lora:  # the packed path: the active adapters' weights at fixed widths
             active = _active(self.row_slots)
             self.adapters = pack_buckets(self.bucket, self.bank, active)
             self.bank.fix(active, *self.adapters)
@@ -277,7 +278,7 @@ class CompiledForward:
             return (fn() if fn is not None else self._build(q, key))[:b, q - keep:]
 
     def _static_meta(self, q: int):
-        return kernels.make_meta(self.bank.token_slots(self.row_slots, q), len(self.bank.adapter_names), static=True)
+        return make_meta(self.bank.token_slots(self.row_slots, q), len(self.bank.adapter_names), static=True)
 
     def _meta(self, q: int):
         """This call's static metadata for q tokens per row, in the bucket's persistent buffers."""

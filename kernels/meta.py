@@ -1,4 +1,8 @@
-"""Batched multi-LoRA kernels (installed as ``hf_invisiblelora.kernels``).
+"""What the batched multi-LoRA kernels share: the per-forward metadata and the choice of backend.
+
+The folder ``kernels/`` installs as ``hf_invisiblelora.kernels``, a package without ``__init__.py``: the
+top-level import name ``kernels`` is Hugging Face's package (Transformers imports it), and a folder without
+``__init__.py`` on ``sys.path`` cannot shadow it.
 
 A batch mixes adapters token by token. Per forward we compute one ``LoraMeta`` (which token uses
 which adapter slot, the tokens sorted by slot, per-slot counts and offsets) and every LoRA layer
