@@ -38,7 +38,7 @@ def test_runs_from_the_checkout(command, safe_path):
         package, kernels_path, hf_kernels = done.stdout.splitlines()
         if not safe_path:  # the checkout's own source (with -P: the installed package, or the checkout if editable)
             assert Path(package).parent.parent == ROOT and str(ROOT / "kernels") in kernels_path
-        assert not Path(hf_kernels).is_relative_to(ROOT)
+        assert Path(hf_kernels).parent != ROOT / "kernels"  # Hugging Face's (a .venv may live in the checkout)
     elif command == "serve":
         assert done.stdout.startswith("usage: python -m hf_invisiblelora.serve")
     else:
