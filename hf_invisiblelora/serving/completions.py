@@ -157,8 +157,6 @@ class Completions:
         max_tokens = sampling.max_tokens
         if max_tokens is None:
             max_tokens = self.room(len(prompt)) if chat else COMPLETION_DEFAULT_MAX_TOKENS
-        if max_tokens < 0:
-            raise bad(sampling.max_tokens_field, f"`{sampling.max_tokens_field}` must be >= 0, got {max_tokens}.")
         if sampling.min_tokens > max_tokens:
             raise bad("min_tokens", f"`min_tokens` ({sampling.min_tokens}) is more than max_tokens ({max_tokens}).")
         stops = Stops(sampling.stop, sampling.min_tokens, sampling.include_stop,
