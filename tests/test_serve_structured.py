@@ -67,6 +67,15 @@ ADD = {"type": "function", "function": {
     "name": "add", "parameters": {"type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "required": ["a", "b"]}}}
 NOTE = {"type": "function", "function": {"name": "note"}}  # no parameters: any object
 TOOLS = [WEATHER, ADD, NOTE]
+# vLLM's weather-tool examples' shape: parameters that refer to their own $defs (one shared by both tools)
+UNIT = {"type": "string", "enum": ["c", "f"]}
+FORECAST = {"type": "function", "function": {"name": "forecast", "parameters": {
+    "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}, "unit": {"$ref": "#/$defs/Unit"}},
+    "required": ["city", "unit"], "$defs": {"City": {"type": "string", "enum": ["paris", "oslo"]}, "Unit": UNIT}}}}
+CONVERT = {"type": "function", "function": {"name": "convert", "parameters": {
+    "type": "object", "properties": {"to": {"$ref": "#/$defs/Unit"}, "value": DIGIT}, "required": ["to", "value"],
+    "$defs": {"Unit": UNIT}}}}
+DEFS_TOOLS = [FORECAST, CONVERT]
 PROMPTS = ["the quick brown fox", '{"name": "ada"', "[1, 2, 3"]
 EBNF = 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c]+ | "none"'
 
@@ -261,11 +270,16 @@ def test_json_schema_equals_stock_generate(server, ref):
 
 def required_spec(tools) -> GrammarSpec:
     """tool_choice "required"'s grammar as vLLM builds it: a JSON array (one item or more) of
-    {"name": <a tool's name>, "parameters": <its parameters>}."""
-    items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                               "parameters": t["function"].get("parameters", {"type": "object"})},
-              "required": ["name", "parameters"]} for t in tools]
-    return GrammarSpec("json_schema", {"type": "array", "minItems": 1, "items": {"anyOf": items}})
+    {"name": <a tool's name>, "parameters": <its parameters>}, the tools' $defs moved to the array's
+    root (vLLM's get_tool_schema_defs)."""
+    items, defs = [], {}
+    for t in tools:
+        parameters = dict(t["function"].get("parameters", {"type": "object"}))
+        defs.update(parameters.pop("$defs", {}))
+        items.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                                       "parameters": parameters}, "required": ["name", "parameters"]})
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    return GrammarSpec("json_schema", {**schema, "$defs": defs} if defs else schema)
 
 
 REGEX = r"[a-c]{2,6}(x|yz)"
@@ -413,17 +427,17 @@ def tool_call(name, arguments) -> dict:
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def test_tool_choice_required_named_and_none(server, ref):
+def check_required_named_none(server, ref, tools, named, prompts) -> int:
     """required: stock's answer under vLLM's array grammar, parsed into tool calls (each valid under
-    its tool's parameters); named: the answer is the function's arguments; none: tools rendered, the
-    text as it is. Streamed the same."""
+    its tool's parameters); named (each of ``named``): the answer is the function's arguments; none:
+    tools rendered, the text as it is. Streamed the same. The answers of required that finished."""
     finished = 0
-    for adapter, prompt in (("s", "weather in oslo"), ("b", "add 2 and 3"), (BASE_ID, PROMPTS[0])):
-        ids = ref.chat_ids([{"role": "user", "content": prompt}], TOOLS)
+    for adapter, prompt in prompts:
+        ids = ref.chat_ids([{"role": "user", "content": prompt}], tools)
         # required
-        tokens, text, reason = ref.generate(ids, adapter, required_spec(TOOLS))
+        tokens, text, reason = ref.generate(ids, adapter, required_spec(tools))
         for stream in (False, True):
-            message, got_reason, n = complete(server, ref, adapter, prompt, {"tools": TOOLS, "tool_choice": "required"},
+            message, got_reason, n = complete(server, ref, adapter, prompt, {"tools": tools, "tool_choice": "required"},
                                               chat=True, stream=stream)
             assert n == len(tokens)
             if reason == "stop":
@@ -432,19 +446,19 @@ def test_tool_choice_required_named_and_none(server, ref):
                             "tool_calls": [tool_call(c["name"], json.dumps(c["parameters"])) for c in calls]}
                 assert (without_ids(message), got_reason) == (expected, "tool_calls")
                 for c in calls:
-                    schema = next(t for t in TOOLS if t["function"]["name"] == c["name"])["function"].get("parameters")
+                    schema = next(t for t in tools if t["function"]["name"] == c["name"])["function"].get("parameters")
                     jsonschema.validate(c["parameters"], schema or {"type": "object"})
                 finished += 1
             else:
                 assert (message, got_reason) == ({"role": "assistant", "content": text}, "length")
         # named
-        for tool in (WEATHER, NOTE):
+        for tool in named:
             name = tool["function"]["name"]
             spec = GrammarSpec("json_schema", tool["function"].get("parameters", {"type": "object"}))
             tokens, text, reason = ref.generate(ids, adapter, spec)
             choice = {"type": "function", "function": {"name": name}}
             for stream in (False, True):
-                message, got_reason, n = complete(server, ref, adapter, prompt, {"tools": TOOLS, "tool_choice": choice},
+                message, got_reason, n = complete(server, ref, adapter, prompt, {"tools": tools, "tool_choice": choice},
                                                   chat=True, stream=stream)
                 expected = {"role": "assistant", "content": None, "tool_calls": [tool_call(name, text)]}
                 assert (without_ids(message), got_reason, n) == (expected, reason, len(tokens))
@@ -452,10 +466,25 @@ def test_tool_choice_required_named_and_none(server, ref):
                 jsonschema.validate(json.loads(text), spec.value)
         # none: no constraint, no parsing
         tokens, text, reason = ref.generate(ids, adapter, None, max_tokens=12, bias=False)
-        message, got_reason, n = complete(server, ref, adapter, prompt, {"tools": TOOLS, "tool_choice": "none"},
-                                          chat=True, bias=False, max_tokens=12)
-        assert (message, got_reason, n) == ({"role": "assistant", "content": text}, reason, len(tokens))
-    assert finished >= 3
+        for stream in (False, True):
+            message, got_reason, n = complete(server, ref, adapter, prompt, {"tools": tools, "tool_choice": "none"},
+                                              chat=True, stream=stream, bias=False, max_tokens=12)
+            assert (message, got_reason, n) == ({"role": "assistant", "content": text}, reason, len(tokens))
+    return finished
+
+
+TOOL_PROMPTS = (("s", "weather in oslo"), ("b", "add 2 and 3"), (BASE_ID, PROMPTS[0]))
+
+
+def test_tool_choice_required_named_and_none(server, ref):
+    assert check_required_named_none(server, ref, TOOLS, (WEATHER, NOTE), TOOL_PROMPTS) >= 3
+
+
+def test_tool_parameters_with_defs(server, ref):
+    """Parameters that refer to their own $defs ("$ref": "#/$defs/Unit", vLLM's weather tools):
+    required moves every tool's $defs to the root of the array of calls, as vLLM does (a definition
+    both tools share is one); named compiles the parameters as they are."""
+    assert check_required_named_none(server, ref, DEFS_TOOLS, DEFS_TOOLS, TOOL_PROMPTS[:2]) >= 2
 
 
 def test_tool_choice_auto_parses_hermes_calls(server, ref):
@@ -602,6 +631,11 @@ BAD = [  # (endpoint, extra fields, the param the 400 names)
               "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools[1].function.parameters"),
     ("chat", {"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": [1]}}]},
      "tools[1].function.parameters"),
+    ("chat", {"tools": [FORECAST, {"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"u": {"$ref": "#/$defs/Unit"}}, "$defs": {"Unit": {"enum": ["k"]}}}}}],
+              "tool_choice": "required"}, "tools[1].function.parameters"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}],
+              "tool_choice": "required"}, "tools[0].function.parameters"),
     ("chat", {"tools": {"name": "f"}}, "tools"),
     ("chat", {"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
     ("chat", {"tools": [{"type": "code_interpreter"}]}, "tools[0]"),

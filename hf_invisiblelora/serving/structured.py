@@ -142,6 +142,29 @@ class Tools:
     names: list = field(default_factory=list)
 
 
+def _lifted_defs(schemas: list) -> tuple[dict, list]:
+    """(every tool's ``$defs`` merged, each tool's parameters without its own) for tool_choice
+    "required": a tool's "#/$defs/..." references point at the root of the schema they are in, which
+    in the array of calls is the array's, so the definitions move there, as vLLM's
+    get_tool_schema_defs moves them. One name defined differently by two tools is a 400, as in vLLM."""
+    merged, stripped = {}, []
+    for i, schema in enumerate(schemas):
+        defs = schema.get("$defs") if schema is not None else None
+        if defs is None:
+            stripped.append(schema)
+            continue
+        param = f"tools[{i}].function.parameters"
+        if not isinstance(defs, dict):
+            raise bad(param, f"`{param}.$defs` must be an object of schemas.")
+        for name, definition in defs.items():
+            if merged.setdefault(name, definition) != definition:
+                raise bad(param, f"`{param}.$defs` defines {show(name)} unlike an earlier tool: with tool_choice "
+                                 "\"required\" the tools' $defs share one namespace (as in vLLM), so a name must "
+                                 "mean one schema.")
+        stripped.append({k: v for k, v in schema.items() if k != "$defs"})
+    return merged, stripped
+
+
 def parse_tools(body: dict) -> Tools | None:
     """The chat's tools and tool_choice, checked (400 naming the field); None without tools."""
     tools, choice = body.get("tools"), body.get("tool_choice")
@@ -182,10 +205,13 @@ def parse_tools(body: dict) -> Tools | None:
         return Tools(rendered, choice or "auto", names=names)
     if choice == "required":
         # vLLM's: a JSON array of one or more {"name": <a tool's name>, "parameters": <its parameters>}
+        defs, parameters = _lifted_defs(schemas)
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]},
                                                     "parameters": s if s is not None else {"type": "object"}},
-                  "required": ["name", "parameters"]} for n, s in zip(names, schemas)]
+                  "required": ["name", "parameters"]} for n, s in zip(names, parameters)]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if defs:
+            schema["$defs"] = defs
         parts = tuple((f"tools[{i}].function.parameters", GrammarSpec("json_schema", s))
                       for i, s in enumerate(schemas) if s is not None)
         return Tools(rendered, "required", constraint=Constraint("tools", GrammarSpec("json_schema", schema), parts),
