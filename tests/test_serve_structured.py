@@ -10,7 +10,7 @@ Validity: answers that finish are valid under their schema (jsonschema). The tin
 closes JSON on its own, so requests send a logit_bias towards the tokens that hold ", } or ].
 Also: the Hermes tool-call parser and the streamed tool-call deltas on strings; the openai client's
 parse() and a tool-call loop; bad input (each a 400 naming its field, no traceback), a grammar that
-takes too long to compile, tools on a template without a tool format.
+takes too long to compile; tools served on a template without a tool format (SmolLM2's ChatML).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -487,12 +488,12 @@ def test_tool_parameters_with_defs(server, ref):
     assert check_required_named_none(server, ref, DEFS_TOOLS, DEFS_TOOLS, TOOL_PROMPTS[:2]) >= 2
 
 
-def test_tool_choice_auto_parses_hermes_calls(server, ref):
+def check_auto(server, ref, prompts) -> int:
     """auto: no constraint of its own; a regex (structured_outputs) makes the model write a Hermes
     call, which comes back as a tool call, with the text before it as content, streamed the same;
-    without a call the text is the content."""
+    without a call the text is the content. The calls that came back."""
     calls = 0
-    for adapter, prompt in (("s", "weather in oslo"), ("c", "weather?"), (BASE_ID, "hi")):
+    for adapter, prompt in prompts:
         ids = ref.chat_ids([{"role": "user", "content": prompt}], TOOLS)
         tokens, text, reason = ref.generate(ids, adapter, GrammarSpec("regex", AUTO_REGEX), max_tokens=150,
                                             bias=False)
@@ -512,7 +513,11 @@ def test_tool_choice_auto_parses_hermes_calls(server, ref):
             message, got_reason, n = complete(server, ref, adapter, prompt, {"tools": TOOLS}, chat=True,
                                               stream=stream, bias=False, max_tokens=10)
             assert (message, got_reason, n) == ({"role": "assistant", "content": text}, reason, len(tokens))
-    assert calls == 6
+    return calls
+
+
+def test_tool_choice_auto_parses_hermes_calls(server, ref):
+    assert check_auto(server, ref, (("s", "weather in oslo"), ("c", "weather?"), (BASE_ID, "hi"))) == 6
 
 
 def test_openai_client_parse_and_a_tool_call_loop(client, ref):
@@ -696,29 +701,35 @@ def test_compile_bounds(server, ref):
         assert text and set(text) <= set(alphabet) and (reason, n) == ("length", 10)
 
 
-def test_tools_need_a_template_that_shows_them():
-    """A chat template without a tool format refuses tools (400, param tools); the same server
-    serves the chat without them."""
-    from starlette.testclient import TestClient
+# SmolLM2-135M-Instruct's own chat template (ChatML): no tool format, tools are not shown
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
-    from hf_invisiblelora.engine import Engine
-    from hf_invisiblelora.serving.app import Server, build_app
-    from test_serve import CHAT_TEMPLATE
-    from tiny import tiny_tokenizer
 
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
-    engine = Engine(tiny_peft("llama", adapters=("s",), dtype=torch.float32), max_batch=2, max_len=128,
-                    num_draft_tokens=2).start()
-    server = Server(engine, tokenizer, BASE_ID, "/models/tiny", {"s": "/models/s"})
-    try:
-        client = TestClient(build_app(server), raise_server_exceptions=False)
-        body = {"model": "s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        for choice in ("auto", "none", "required"):
-            reply = client.post("/v1/chat/completions", json={**body, "tools": TOOLS, "tool_choice": choice})
-            check_refused(reply.status_code, reply.json(), "tools")
-            assert reply.json()["error"]["code"] == "tools_unsupported"
-        assert client.post("/v1/chat/completions", json=body).status_code == 200
-    finally:
-        server.close()
-        engine.stop()
+@pytest.fixture(scope="module")
+def chatml(files, tmp_path_factory):
+    """(server URL, Reference) of the same model and adapters with SMOLLM2_TEMPLATE as the chat template."""
+    root = tmp_path_factory.mktemp("serve_structured_chatml")
+    shutil.copytree(files / "adapters", root / "adapters")
+    shutil.copytree(files / "base", root / "base")
+    tok = AutoTokenizer.from_pretrained(root / "base")
+    tok.chat_template = SMOLLM2_TEMPLATE
+    tok.save_pretrained(root / "base")
+    with launch(root, root / "server.log") as (url, _):
+        yield url, Reference(root)
+
+
+def test_tools_on_a_template_without_a_tool_format(chatml):
+    """A template without a tool format (SmolLM2-135M-Instruct's) gets the tools as any template does,
+    as vLLM passes them, and shows none of them: the prompt is the messages' alone. named and
+    required constrain the output to the tool's parameters / the array of calls all the same, none
+    is the text, auto parses Hermes blocks in it: each stock generate()'s on that prompt, streamed
+    and not."""
+    url, ref = chatml
+    messages = [{"role": "user", "content": "weather in oslo"}]
+    assert ref.chat_ids(messages, TOOLS) == ref.chat_ids(messages)  # the template ignores the tools
+    assert check_required_named_none(url, ref, TOOLS, (WEATHER, NOTE), TOOL_PROMPTS[:2]) >= 2
+    assert check_auto(url, ref, (("s", "weather in oslo"), (BASE_ID, "hi"))) == 4

@@ -55,7 +55,6 @@ class Server(Completions, AdapterAdmin):
         # None (and why not) where xgrammar is missing or cannot read the tokenizer: structured fields get 400
         self.grammars, self.grammars_missing = make_grammars(tokenizer, engine.vocab_size, engine.eos_ids,
                                                              grammar_compile_timeout)
-        self.tools_support: dict = {}  # chat template -> whether it shows tools (template_shows_tools)
 
     def start_grammars(self) -> None:
         """Start the grammar compiler's process in the background (its imports take seconds), so the

@@ -29,7 +29,6 @@ GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS, "guided_decoding_backend")
 BACKENDS = ("xgrammar", "auto")  # guided_decoding_backend: what we are; anything else is refused
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-PROBE_TOOL = "hf_invisiblelora_probe_tool"  # rendered to see whether a chat template shows tools
 
 
 @dataclass(frozen=True)
@@ -253,18 +252,6 @@ def message_tool_calls(calls, i: int) -> list:
             entry["id"] = call["id"]
         out.append(entry)
     return out
-
-
-def supports_tools(tokenizer, render) -> bool:
-    """Whether the tokenizer's chat template shows tools: a probe tool rendered by ``render(messages,
-    tools)`` must appear in its text."""
-    probe = [{"type": "function", "function": {"name": PROBE_TOOL, "description": "probe",
-                                               "parameters": {"type": "object", "properties": {}}}}]
-    try:
-        text = render([{"role": "user", "content": "hi"}], probe)
-    except Exception:  # noqa: BLE001 - a template that fails with tools has no tool format we can use
-        return False
-    return PROBE_TOOL in text
 
 
 # --- the compiler ---
