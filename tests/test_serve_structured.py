@@ -16,9 +16,11 @@ takes too long to compile; tools served on a template without a tool format (Smo
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -733,3 +735,61 @@ def test_tools_on_a_template_without_a_tool_format(chatml):
     assert ref.chat_ids(messages, TOOLS) == ref.chat_ids(messages)  # the template ignores the tools
     assert check_required_named_none(url, ref, TOOLS, (WEATHER, NOTE), TOOL_PROMPTS[:2]) >= 2
     assert check_auto(url, ref, (("s", "weather in oslo"), (BASE_ID, "hi"))) == 4
+
+
+# --- the compiler killed ---
+
+
+@pytest.fixture(scope="module")
+def watched(files, tmp_path_factory):
+    """(URL, process, log file) of a server of its own."""
+    log = tmp_path_factory.mktemp("serve_structured_watched") / "server.log"
+    with launch(files, log, "--grammar-compile-timeout", str(COMPILE_TIMEOUT)) as (url, proc):
+        yield url, proc, log
+
+
+def grammar_worker(parent: int, other_than: int | None = None) -> int | None:
+    """The pid of ``parent``'s grammar worker (a live child running grammar_worker.py), or None."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == other_than:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"grammar_worker.py" in command:
+            return int(entry)
+    return None
+
+
+def test_a_killed_grammar_worker_is_not_the_requests_fault(watched, ref):
+    """The grammar worker killed while idle, or while it starts: the next request's grammar compiles
+    in a new one, and the answer is stock's (it was a 400 blaming the schema's memory, or a 500);
+    the server's log says each kill was seen."""
+    url, proc, log = watched
+    ids = ref.tok(PROMPTS[0])["input_ids"]
+    for n, kill_while_starting in enumerate((False, True)):
+        schema = {"type": "object", "properties": {f"k{n}": {"type": "integer", "minimum": 0, "maximum": 9}},
+                  "required": [f"k{n}"]}
+        tokens, text, reason = ref.generate(ids, "s", GrammarSpec("json_schema", schema))
+        regex = f"[a-c]{{{n + 9}}}"  # a grammar of its own: compiled in the worker, which is idle after
+        post(url, "/v1/completions", {"model": "b", "prompt": "hi", "max_tokens": 2, "guided_regex": regex})
+        pid = grammar_worker(proc.pid)
+        os.kill(pid, signal.SIGKILL)
+        killer = None
+        if kill_while_starting:
+            def kill_next(old=pid):
+                while (new := grammar_worker(proc.pid, other_than=old)) is None:
+                    time.sleep(0.005)
+                os.kill(new, signal.SIGKILL)
+
+            killer = ThreadPoolExecutor(1).submit(kill_next)
+        assert complete(url, ref, "s", ids, {"guided_json": schema}) == (text, reason, len(tokens))
+        if killer is not None:
+            killer.result(60)
+    seen = log.read_text()
+    assert "grammar compiler's process ended (SIGKILL)" in seen, seen[-3000:]
+    assert "ended while starting (SIGKILL)" in seen, seen[-3000:]

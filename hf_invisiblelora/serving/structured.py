@@ -13,7 +13,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from ..decode.grammar import GrammarError, Grammars, GrammarSpec
+from ..decode.grammar import CompilerUnavailable, GrammarError, Grammars, GrammarSpec
 from .protocol import ApiError, bad, show
 from .text import held_tail
 
@@ -282,8 +282,9 @@ def make_grammars(tokenizer, vocab_size: int, stop_token_ids, timeout: float):
 
 def compile_constraint(grammars: Grammars, constraint: Constraint):
     """The CompiledGrammar of ``constraint`` (call it off the event loop); a 400 naming the field
-    for an invalid, unsupported or too costly one. For tool_choice "required", a failure is traced
-    to the tool whose parameters do not compile where one does not."""
+    for an invalid, unsupported or too costly one: for tool_choice "required", traced to the tool
+    whose parameters do not compile where one does not. 503 when the compiler's process cannot be
+    run (the server's trouble, never the grammar's)."""
     try:
         return grammars.compile(constraint.spec)
     except GrammarError as e:
@@ -295,8 +296,13 @@ def compile_constraint(grammars: Grammars, constraint: Constraint):
                 except GrammarError as e2:
                     param, error, spec = part, e2, part_spec
                     break
+                except CompilerUnavailable:
+                    break  # not traced: the whole's error stands
         raise ApiError(400, f"`{param}` cannot be served: {grammar_message(error, spec)}.", param=param,
                        code="invalid_value") from None
+    except CompilerUnavailable as e:
+        raise ApiError(503, "The grammar compiler cannot be run now (the server's log says why); retry later.",
+                       type="server_error", code="grammar_compiler_unavailable", cause=e) from e
 
 
 # --- a chat answer's tool calls ---
