@@ -6,7 +6,8 @@ choices and EBNF grammars, per-row grammars in mixed-adapter batches; sampling d
 masked distribution (chi-square against exact enumeration, with a power check). The engine:
 constrained, free and differently constrained requests on several adapters in one batch, each
 equal to stock generate() alone. Grammars: compiled in a bounded worker, refused when invalid or
-too costly, cached."""
+too costly, cached; a worker killed from outside started again, one crashed by its grammar refusing
+it; submit's own thread and bounded queue, refusals remembered."""
 
 import contextlib
 import json
@@ -24,8 +25,8 @@ from hypothesis import strategies as st
 from xgrammar.contrib.hf import LogitsProcessor
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora.decode.grammar import (CompilerUnavailable, GrammarError, GrammarMask, Grammars, GrammarSpec,
-                                             compile_spec)
+from hf_invisiblelora.decode.grammar import (CompilerUnavailable, GrammarError, GrammarMask, Grammars, GrammarsBusy,
+                                             GrammarSpec, compile_spec)
 from hf_invisiblelora.engine import Engine, Request
 from hf_invisiblelora.engine.request import Status
 from tiny import chi_square_p, json_tokenizer, tiny_peft
@@ -412,8 +413,9 @@ def test_a_dead_worker_is_started_again(tok, caplog):
 
 def test_a_crash_is_the_grammars_and_a_worker_that_cannot_live_is_not(tok):
     """A worker that dies of its own signal while compiling (SIGABRT, as a crash; SIGSEGV has a native
-    handler there that can hang) refuses the grammar; a worker killed each time it starts makes
-    CompilerUnavailable, never the grammar's GrammarError."""
+    handler there that can hang) refuses the grammar, and a repeat is refused at once (remembered, no
+    worker asked); a worker killed each time it starts makes CompilerUnavailable, never the grammar's
+    GrammarError."""
     grammars = Grammars(tok, vocab_size=len(tok), stop_token_ids=[EOS], timeout=30).start()
     try:
         spec = GrammarSpec("grammar", chain(1400, "crash"))
@@ -421,6 +423,10 @@ def test_a_crash_is_the_grammars_and_a_worker_that_cannot_live_is_not(tok):
         with pytest.raises(GrammarError, match=r"crashed the grammar compiler \(SIGABRT: past the memory"):
             grammars.compile(spec)
         thread.join()
+        start = time.perf_counter()
+        with pytest.raises(GrammarError, match="crashed"):
+            grammars.compile(spec)
+        assert time.perf_counter() - start < 0.1 and grammars._process is None  # not compiled again
         stop = threading.Event()
 
         def kill_each():
@@ -440,5 +446,33 @@ def test_a_crash_is_the_grammars_and_a_worker_that_cannot_live_is_not(tok):
             stop.set()
             killer.join()
         assert grammars.compile(GrammarSpec("regex", "[0-9]{3}")) is not None  # not refused: served now
+    finally:
+        grammars.close()
+
+
+def test_submit_waits_apart_bounded_shared_and_remembers_refusals(tok):
+    """Grammars.submit compiles on the compiler's own thread: the callers of a grammar share its
+    Future; past max_pending waiting grammars another is GrammarsBusy at once, while a compiled one
+    is answered at once; a refused grammar is refused at once the next time (remembered), and tried
+    again once the bounds are looser."""
+    grammars = Grammars(tok, vocab_size=len(tok), stop_token_ids=[EOS], timeout=0.5, max_pending=1).start()
+    try:
+        digits = grammars.compile(GrammarSpec("regex", "[0-9]+"))
+        slow = GrammarSpec("grammar", chain(1400, "submit"))  # 1.6 s there
+        future = grammars.submit(slow)
+        assert grammars.submit(slow) is future
+        with pytest.raises(GrammarsBusy):
+            grammars.submit(GrammarSpec("regex", "[a-z]+"))
+        done = grammars.submit(GrammarSpec("regex", "[0-9]+"))
+        assert done.done() and done.result() is digits and not future.done()
+        with pytest.raises(GrammarError, match="longer than 0.5 s"):
+            future.result(60)
+        start = time.perf_counter()
+        with pytest.raises(GrammarError, match="longer than 0.5 s"):
+            grammars.submit(slow)
+        assert time.perf_counter() - start < 0.1
+        assert grammars.submit(GrammarSpec("regex", "[a-z]+")).result(60) is not None  # room again
+        grammars.timeout = 30
+        assert grammars.submit(slow).result(60) is not None
     finally:
         grammars.close()

@@ -10,7 +10,9 @@ Validity: answers that finish are valid under their schema (jsonschema). The tin
 closes JSON on its own, so requests send a logit_bias towards the tokens that hold ", } or ].
 Also: the Hermes tool-call parser and the streamed tool-call deltas on strings; the openai client's
 parse() and a tool-call loop; bad input (each a 400 naming its field, no traceback), a grammar that
-takes too long to compile; tools served on a template without a tool format (SmolLM2's ChatML).
+takes too long to compile; tools served on a template without a tool format (SmolLM2's ChatML);
+slow grammars queued apart (a plain request served meanwhile, past the queue a 429, a refusal
+remembered) and the compiling process killed (the requests served).
 """
 
 from __future__ import annotations
@@ -673,12 +675,12 @@ def test_bad_input_is_a_400_naming_the_field(server, endpoint, extra, param):
     check_refused(status, reply, param)
 
 
-def slow_grammar() -> str:
+def slow_grammar(tag: str = "") -> str:
     """An EBNF grammar of 64 KB whose compilation grows with the square of its chain of rules that
     may be empty (each token can end in any of them): about 7 s on this 320-token vocabulary on a
-    busy 2-core machine, against COMPILE_TIMEOUT."""
+    busy 2-core machine, against COMPILE_TIMEOUT. ``tag``: another grammar of the same cost."""
     rules = [f"r{i} ::= [a-z]* r{i + 1} | [0-9]+ r{i + 1}" for i in range(1790)]
-    return "\n".join(["root ::= r0", *rules, 'r1790 ::= "e"'])
+    return "\n".join(["root ::= r0", *rules, f'r1790 ::= "e{tag}"'])
 
 
 def test_compile_bounds(server, ref):
@@ -737,15 +739,52 @@ def test_tools_on_a_template_without_a_tool_format(chatml):
     assert check_auto(url, ref, (("s", "weather in oslo"), (BASE_ID, "hi"))) == 4
 
 
-# --- the compiler killed ---
+# --- the compiler under load, and killed ---
+
+
+PENDING = 2  # --max-pending-grammars of the watched server
 
 
 @pytest.fixture(scope="module")
 def watched(files, tmp_path_factory):
-    """(URL, process, log file) of a server of its own."""
+    """(URL, process, log file) of a server of its own, with --max-pending-grammars PENDING."""
     log = tmp_path_factory.mktemp("serve_structured_watched") / "server.log"
-    with launch(files, log, "--grammar-compile-timeout", str(COMPILE_TIMEOUT)) as (url, proc):
+    with launch(files, log, "--grammar-compile-timeout", str(COMPILE_TIMEOUT), "--max-pending-grammars",
+                str(PENDING)) as (url, proc):
         yield url, proc, log
+
+
+def test_slow_grammars_hold_up_nothing_else(watched):
+    """48 requests at once, each a slow grammar of its own (each refused at the timeout): they wait
+    for the compiler's own thread, PENDING at a time, the rest a 429 at once (grammar_queue_full,
+    never a 5xx), so a plain completion is answered promptly meanwhile (it waited behind them for a
+    thread of the pool every request needs: 30 s and more); a grammar refused before is refused at
+    once (it took the timeout again)."""
+    url, _, _ = watched
+    bodies = [{"model": "s", "prompt": "hi", "max_tokens": 4, "guided_grammar": slow_grammar(str(i))}
+              for i in range(48)]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(request, url, "/v1/completions", body) for body in bodies]
+        time.sleep(1)
+        start = time.monotonic()
+        plain = post(url, "/v1/completions", {"model": "b", "prompt": "hello", "max_tokens": 4, "temperature": 0})
+        took = time.monotonic() - start
+        replies = [f.result() for f in futures]
+    assert plain["usage"]["completion_tokens"] and took < 12, took
+    statuses = [status for status, _ in replies]
+    assert set(statuses) <= {400, 429} and statuses.count(429) >= len(bodies) - 4 * PENDING, statuses
+    for status, reply in replies:
+        if status == 429:
+            assert reply["error"]["code"] == "grammar_queue_full" and reply["error"]["type"] == "server_error"
+        else:
+            check_refused(status, reply, "guided_grammar")
+            assert f"longer than {COMPILE_TIMEOUT:g} s" in reply["error"]["message"]
+    refused = next(body for body, (status, _) in zip(bodies, replies) if status == 400)
+    start = time.monotonic()
+    status, reply = request(url, "/v1/completions", refused)
+    assert time.monotonic() - start < 1.0 < COMPILE_TIMEOUT
+    check_refused(status, reply, "guided_grammar")
+    assert f"longer than {COMPILE_TIMEOUT:g} s" in reply["error"]["message"]
 
 
 def grammar_worker(parent: int, other_than: int | None = None) -> int | None:

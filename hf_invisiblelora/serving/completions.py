@@ -140,7 +140,7 @@ class Completions:
                 raise ApiError(400, f"Structured outputs are not served here: {self.grammars_missing}.",
                                param=sampling.constraint.param.split(".")[0].split("[")[0],
                                code="unsupported_parameter")
-            grammar = await run_in_threadpool(compile_constraint, self.grammars, sampling.constraint)
+            grammar = await compile_constraint(self.grammars, sampling.constraint)
         max_tokens = sampling.max_tokens
         if max_tokens is None:
             max_tokens = self.room(len(prompt)) if chat else COMPLETION_DEFAULT_MAX_TOKENS

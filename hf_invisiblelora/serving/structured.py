@@ -7,13 +7,17 @@ the server's ``Grammars`` off the event loop before a request is submitted.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import math
 import re
 import secrets
 from dataclasses import dataclass, field
 
-from ..decode.grammar import CompilerUnavailable, GrammarError, Grammars, GrammarSpec
+from starlette.concurrency import run_in_threadpool
+
+from ..decode.grammar import CompilerUnavailable, GrammarError, Grammars, GrammarsBusy, GrammarSpec
 from .protocol import ApiError, bad, show
 from .text import held_tail
 
@@ -269,10 +273,11 @@ def grammar_message(error: GrammarError, spec: GrammarSpec) -> str:
     return text if len(text) <= 500 else text[:497] + "..."
 
 
-def make_grammars(tokenizer, vocab_size: int, stop_token_ids, timeout: float):
+def make_grammars(tokenizer, vocab_size: int, stop_token_ids, timeout: float, max_pending: int):
     """(Grammars or None, why not): None where xgrammar is not installed or cannot read the tokenizer."""
     try:
-        return Grammars(tokenizer, vocab_size, stop_token_ids=stop_token_ids, timeout=timeout), None
+        return Grammars(tokenizer, vocab_size, stop_token_ids=stop_token_ids, timeout=timeout,
+                        max_pending=max_pending), None
     except ImportError:
         return None, "xgrammar is not installed (pip install \"hf-invisiblelora[structured]\")"
     except Exception as e:  # noqa: BLE001 - a tokenizer xgrammar cannot read: served without structured outputs
@@ -280,26 +285,40 @@ def make_grammars(tokenizer, vocab_size: int, stop_token_ids, timeout: float):
         return None, "xgrammar cannot read this model's tokenizer"
 
 
-def compile_constraint(grammars: Grammars, constraint: Constraint):
-    """The CompiledGrammar of ``constraint`` (call it off the event loop); a 400 naming the field
-    for an invalid, unsupported or too costly one: for tool_choice "required", traced to the tool
-    whose parameters do not compile where one does not. 503 when the compiler's process cannot be
-    run (the server's trouble, never the grammar's)."""
+async def _compiled(grammars: Grammars, spec: GrammarSpec):
+    """``spec``'s CompiledGrammar: looked up on a pool thread (reading a large schema takes a while),
+    compiled on the compiler's own (Grammars.submit), so a request waiting for its grammar holds no
+    thread of the pool every request needs. Shielded: a request that goes away while it waits does
+    not cancel a compilation other requests share."""
+    future = await run_in_threadpool(grammars.submit, spec)
+    return await asyncio.shield(asyncio.wrap_future(future))
+
+
+async def compile_constraint(grammars: Grammars, constraint: Constraint):
+    """The CompiledGrammar of ``constraint``, at once if it was compiled before. A 400 naming the
+    field for an invalid, unsupported or too costly one (at once if it was refused before): for
+    tool_choice "required", traced to the tool whose parameters do not compile where one does not.
+    429 when Grammars.max_pending other grammars wait to be compiled (a retry after a compilation's
+    time may find room, or the grammar compiled); 503 when the compiler's process cannot be run."""
     try:
-        return grammars.compile(constraint.spec)
+        return await _compiled(grammars, constraint.spec)
     except GrammarError as e:
         param, error, spec = constraint.param, e, constraint.spec
         if constraint.parts and str(e).startswith("invalid") and "bad_alloc" not in str(e):
             for part, part_spec in constraint.parts:
                 try:
-                    grammars.compile(part_spec)
+                    await _compiled(grammars, part_spec)
                 except GrammarError as e2:
                     param, error, spec = part, e2, part_spec
                     break
-                except CompilerUnavailable:
+                except (GrammarsBusy, CompilerUnavailable):
                     break  # not traced: the whole's error stands
         raise ApiError(400, f"`{param}` cannot be served: {grammar_message(error, spec)}.", param=param,
                        code="invalid_value") from None
+    except GrammarsBusy as e:
+        raise ApiError(429, f"{grammars.max_pending} grammars are waiting to be compiled already (this server's "
+                       "bound); retry later.", type="server_error", code="grammar_queue_full",
+                       headers={"Retry-After": str(math.ceil(grammars.timeout))}) from e
     except CompilerUnavailable as e:
         raise ApiError(503, "The grammar compiler cannot be run now (the server's log says why); retry later.",
                        type="server_error", code="grammar_compiler_unavailable", cause=e) from e
