@@ -6,9 +6,14 @@ choices and EBNF grammars, per-row grammars in mixed-adapter batches; sampling d
 masked distribution (chi-square against exact enumeration, with a power check). The engine:
 constrained, free and differently constrained requests on several adapters in one batch, each
 equal to stock generate() alone. Grammars: compiled in a bounded worker, refused when invalid or
-too costly, cached."""
+too costly, cached; a worker killed from outside started again, one crashed by its grammar refusing
+it; submit's own thread and bounded queue, refusals remembered."""
 
+import contextlib
 import json
+import os
+import signal
+import threading
 import time
 
 import jsonschema
@@ -20,7 +25,8 @@ from hypothesis import strategies as st
 from xgrammar.contrib.hf import LogitsProcessor
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora.decode.grammar import GrammarError, GrammarMask, Grammars, GrammarSpec, compile_spec
+from hf_invisiblelora.decode.grammar import (CompilerUnavailable, GrammarError, GrammarMask, Grammars, GrammarsBusy,
+                                             GrammarSpec, compile_spec)
 from hf_invisiblelora.engine import Engine, Request
 from hf_invisiblelora.engine.request import Status
 from tiny import chi_square_p, json_tokenizer, tiny_peft
@@ -354,5 +360,119 @@ def test_grammars_are_validated_bounded_and_cached(tok):
         grammars.close()  # the next process starts with the new bound
         with pytest.raises(GrammarError, match="memory"):
             grammars.compile(GrammarSpec("grammar", rules + "\n"))  # not the cached one
+    finally:
+        grammars.close()
+
+
+def chain(n: int, tag: str = "") -> str:
+    """An EBNF grammar whose compilation grows with the square of ``n`` (a chain of rules that may be
+    empty): on this 320-token vocabulary about 0.2 s at 600 in the worker, 1.6 s at 1400."""
+    rules = [f"r{i} ::= [a-z]* r{i + 1} | [0-9]+ r{i + 1}" for i in range(n)]
+    return "\n".join(["root ::= r0", *rules, f'r{n} ::= "e{tag}"'])
+
+
+def kill_worker(grammars, sig=signal.SIGKILL, *, after: float = 0.0, starting: bool = False):
+    """A thread sending ``sig`` to the grammar worker ``after`` seconds from now (``starting``: to the
+    next worker as soon as it exists, while it starts); joined by the caller."""
+    def run():
+        old = grammars._process
+        if starting:
+            while grammars._process is old or grammars._process is None:
+                time.sleep(0.005)
+        time.sleep(after)
+        os.kill(grammars._process.pid, sig)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_a_dead_worker_is_started_again(tok, caplog):
+    """A worker killed from outside (SIGKILL, SIGTERM) while idle, while compiling or while starting
+    is not the grammar's fault: a new one starts and the grammar compiles (it was refused as needing
+    too much memory, or a BrokenPipeError escaped); the warnings say each kill landed."""
+    grammars = Grammars(tok, vocab_size=len(tok), stop_token_ids=[EOS], timeout=30).start()
+    try:
+        for n, sig in enumerate((signal.SIGKILL, signal.SIGTERM)):  # idle
+            kill_worker(grammars, sig).join()
+            assert grammars.compile(GrammarSpec("regex", f"[0-9]+x{n}")) is not None
+        thread = kill_worker(grammars, after=0.4)  # while compiling (1.6 s there)
+        assert grammars.compile(GrammarSpec("grammar", chain(1400))) is not None
+        thread.join()
+        grammars.close()
+        thread = kill_worker(grammars, starting=True)  # while starting (importing xgrammar: seconds)
+        assert grammars.compile(GrammarSpec("regex", "[a-c]+")) is not None
+        thread.join()
+    finally:
+        grammars.close()
+    warnings = [r.getMessage() for r in caplog.records if "grammar compiler's process" in r.getMessage()]
+    assert sum("(SIGKILL)" in w for w in warnings) == 3 and sum("(SIGTERM)" in w for w in warnings) == 1, warnings
+    assert sum("ended (SIGKILL) before its answer" in w for w in warnings) >= 1, warnings  # mid-compile
+    assert sum("ended while starting (SIGKILL)" in w for w in warnings) == 1, warnings
+
+
+def test_a_crash_is_the_grammars_and_a_worker_that_cannot_live_is_not(tok):
+    """A worker that dies of its own signal while compiling (SIGABRT, as a crash; SIGSEGV has a native
+    handler there that can hang) refuses the grammar, and a repeat is refused at once (remembered, no
+    worker asked); a worker killed each time it starts makes CompilerUnavailable, never the grammar's
+    GrammarError."""
+    grammars = Grammars(tok, vocab_size=len(tok), stop_token_ids=[EOS], timeout=30).start()
+    try:
+        spec = GrammarSpec("grammar", chain(1400, "crash"))
+        thread = kill_worker(grammars, signal.SIGABRT, after=0.4)
+        with pytest.raises(GrammarError, match=r"crashed the grammar compiler \(SIGABRT: past the memory"):
+            grammars.compile(spec)
+        thread.join()
+        start = time.perf_counter()
+        with pytest.raises(GrammarError, match="crashed"):
+            grammars.compile(spec)
+        assert time.perf_counter() - start < 0.1 and grammars._process is None  # not compiled again
+        stop = threading.Event()
+
+        def kill_each():
+            while not stop.is_set():
+                process = grammars._process
+                if process is not None and process.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(process.pid, signal.SIGKILL)
+                time.sleep(0.005)
+
+        killer = threading.Thread(target=kill_each)
+        killer.start()
+        try:
+            with pytest.raises(CompilerUnavailable):
+                grammars.compile(GrammarSpec("regex", "[0-9]{3}"))
+        finally:
+            stop.set()
+            killer.join()
+        assert grammars.compile(GrammarSpec("regex", "[0-9]{3}")) is not None  # not refused: served now
+    finally:
+        grammars.close()
+
+
+def test_submit_waits_apart_bounded_shared_and_remembers_refusals(tok):
+    """Grammars.submit compiles on the compiler's own thread: the callers of a grammar share its
+    Future; past max_pending waiting grammars another is GrammarsBusy at once, while a compiled one
+    is answered at once; a refused grammar is refused at once the next time (remembered), and tried
+    again once the bounds are looser."""
+    grammars = Grammars(tok, vocab_size=len(tok), stop_token_ids=[EOS], timeout=0.5, max_pending=1).start()
+    try:
+        digits = grammars.compile(GrammarSpec("regex", "[0-9]+"))
+        slow = GrammarSpec("grammar", chain(1400, "submit"))  # 1.6 s there
+        future = grammars.submit(slow)
+        assert grammars.submit(slow) is future
+        with pytest.raises(GrammarsBusy):
+            grammars.submit(GrammarSpec("regex", "[a-z]+"))
+        done = grammars.submit(GrammarSpec("regex", "[0-9]+"))
+        assert done.done() and done.result() is digits and not future.done()
+        with pytest.raises(GrammarError, match="longer than 0.5 s"):
+            future.result(60)
+        start = time.perf_counter()
+        with pytest.raises(GrammarError, match="longer than 0.5 s"):
+            grammars.submit(slow)
+        assert time.perf_counter() - start < 0.1
+        assert grammars.submit(GrammarSpec("regex", "[a-z]+")).result(60) is not None  # room again
+        grammars.timeout = 30
+        assert grammars.submit(slow).result(60) is not None
     finally:
         grammars.close()

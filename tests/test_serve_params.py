@@ -174,6 +174,31 @@ def test_stop_strings_with_min_tokens_and_include(client, reference):
     assert r.choices[0].finish_reason == ("stop" if again >= 0 else "length")
 
 
+def test_max_tokens_zero_as_vllm(server, client, reference):
+    """max_tokens 0 is vLLM's: a completion with echo is the prompt only (echo_without_generation),
+    streamed or not, its log-probabilities with logprobs; without echo, and on a chat (max_tokens
+    or max_completion_tokens, echo or not), a 400 naming the field, as vLLM's SamplingParams
+    refuses max_tokens < 1."""
+    ids = reference[1](TEXTS[0])["input_ids"]
+    r = client.completions.create(model="s", prompt=TEXTS[0], max_tokens=0, echo=True, logprobs=1)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (TEXTS[0], "length", 0)
+    assert len(r.choices[0].logprobs.tokens) == len(ids) and r.choices[0].logprobs.token_logprobs[0] is None
+    chunks = list(client.completions.create(model="s", prompt=TEXTS[0], max_tokens=0, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == TEXTS[0]
+    messages = [{"role": "user", "content": "hi"}]
+    for path, body, field in [
+            ("/v1/completions", {"prompt": TEXTS[0], "max_tokens": 0}, "max_tokens"),
+            ("/v1/completions", {"prompt": ids, "max_tokens": 0, "prompt_logprobs": 1}, "max_tokens"),
+            ("/v1/chat/completions", {"messages": messages, "max_tokens": 0}, "max_tokens"),
+            ("/v1/chat/completions", {"messages": messages, "max_completion_tokens": 0}, "max_completion_tokens"),
+            ("/v1/chat/completions", {"messages": messages, "max_completion_tokens": 0, "max_tokens": 5},
+             "max_completion_tokens"),
+            ("/v1/chat/completions", {"messages": messages, "max_tokens": 0, "echo": True}, "max_tokens")]:
+        status, reply = request(server, path, {"model": "s", **body})
+        assert status == 400, (body, reply)
+        assert reply["error"]["param"] == field and "at least 1, got 0" in reply["error"]["message"], reply
+
+
 def test_continuous_usage_stats(client):
     chunks = list(client.completions.create(model="b", prompt=TEXTS[4], max_tokens=10, temperature=0, stream=True,
                                             stream_options={"include_usage": True, "continuous_usage_stats": True}))

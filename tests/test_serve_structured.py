@@ -10,14 +10,19 @@ Validity: answers that finish are valid under their schema (jsonschema). The tin
 closes JSON on its own, so requests send a logit_bias towards the tokens that hold ", } or ].
 Also: the Hermes tool-call parser and the streamed tool-call deltas on strings; the openai client's
 parse() and a tool-call loop; bad input (each a 400 naming its field, no traceback), a grammar that
-takes too long to compile, tools on a template without a tool format.
+takes too long to compile; tools served on a template without a tool format (SmolLM2's ChatML);
+slow grammars queued apart (a plain request served meanwhile, past the queue a 429, a refusal
+remembered) and the compiling process killed (the requests served).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import shutil
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -67,6 +72,15 @@ ADD = {"type": "function", "function": {
     "name": "add", "parameters": {"type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "required": ["a", "b"]}}}
 NOTE = {"type": "function", "function": {"name": "note"}}  # no parameters: any object
 TOOLS = [WEATHER, ADD, NOTE]
+# vLLM's weather-tool examples' shape: parameters that refer to their own $defs (one shared by both tools)
+UNIT = {"type": "string", "enum": ["c", "f"]}
+FORECAST = {"type": "function", "function": {"name": "forecast", "parameters": {
+    "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}, "unit": {"$ref": "#/$defs/Unit"}},
+    "required": ["city", "unit"], "$defs": {"City": {"type": "string", "enum": ["paris", "oslo"]}, "Unit": UNIT}}}}
+CONVERT = {"type": "function", "function": {"name": "convert", "parameters": {
+    "type": "object", "properties": {"to": {"$ref": "#/$defs/Unit"}, "value": DIGIT}, "required": ["to", "value"],
+    "$defs": {"Unit": UNIT}}}}
+DEFS_TOOLS = [FORECAST, CONVERT]
 PROMPTS = ["the quick brown fox", '{"name": "ada"', "[1, 2, 3"]
 EBNF = 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c]+ | "none"'
 
@@ -261,11 +275,16 @@ def test_json_schema_equals_stock_generate(server, ref):
 
 def required_spec(tools) -> GrammarSpec:
     """tool_choice "required"'s grammar as vLLM builds it: a JSON array (one item or more) of
-    {"name": <a tool's name>, "parameters": <its parameters>}."""
-    items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                               "parameters": t["function"].get("parameters", {"type": "object"})},
-              "required": ["name", "parameters"]} for t in tools]
-    return GrammarSpec("json_schema", {"type": "array", "minItems": 1, "items": {"anyOf": items}})
+    {"name": <a tool's name>, "parameters": <its parameters>}, the tools' $defs moved to the array's
+    root (vLLM's get_tool_schema_defs)."""
+    items, defs = [], {}
+    for t in tools:
+        parameters = dict(t["function"].get("parameters", {"type": "object"}))
+        defs.update(parameters.pop("$defs", {}))
+        items.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                                       "parameters": parameters}, "required": ["name", "parameters"]})
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    return GrammarSpec("json_schema", {**schema, "$defs": defs} if defs else schema)
 
 
 REGEX = r"[a-c]{2,6}(x|yz)"
@@ -413,17 +432,17 @@ def tool_call(name, arguments) -> dict:
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def test_tool_choice_required_named_and_none(server, ref):
+def check_required_named_none(server, ref, tools, named, prompts) -> int:
     """required: stock's answer under vLLM's array grammar, parsed into tool calls (each valid under
-    its tool's parameters); named: the answer is the function's arguments; none: tools rendered, the
-    text as it is. Streamed the same."""
+    its tool's parameters); named (each of ``named``): the answer is the function's arguments; none:
+    tools rendered, the text as it is. Streamed the same. The answers of required that finished."""
     finished = 0
-    for adapter, prompt in (("s", "weather in oslo"), ("b", "add 2 and 3"), (BASE_ID, PROMPTS[0])):
-        ids = ref.chat_ids([{"role": "user", "content": prompt}], TOOLS)
+    for adapter, prompt in prompts:
+        ids = ref.chat_ids([{"role": "user", "content": prompt}], tools)
         # required
-        tokens, text, reason = ref.generate(ids, adapter, required_spec(TOOLS))
+        tokens, text, reason = ref.generate(ids, adapter, required_spec(tools))
         for stream in (False, True):
-            message, got_reason, n = complete(server, ref, adapter, prompt, {"tools": TOOLS, "tool_choice": "required"},
+            message, got_reason, n = complete(server, ref, adapter, prompt, {"tools": tools, "tool_choice": "required"},
                                               chat=True, stream=stream)
             assert n == len(tokens)
             if reason == "stop":
@@ -432,19 +451,19 @@ def test_tool_choice_required_named_and_none(server, ref):
                             "tool_calls": [tool_call(c["name"], json.dumps(c["parameters"])) for c in calls]}
                 assert (without_ids(message), got_reason) == (expected, "tool_calls")
                 for c in calls:
-                    schema = next(t for t in TOOLS if t["function"]["name"] == c["name"])["function"].get("parameters")
+                    schema = next(t for t in tools if t["function"]["name"] == c["name"])["function"].get("parameters")
                     jsonschema.validate(c["parameters"], schema or {"type": "object"})
                 finished += 1
             else:
                 assert (message, got_reason) == ({"role": "assistant", "content": text}, "length")
         # named
-        for tool in (WEATHER, NOTE):
+        for tool in named:
             name = tool["function"]["name"]
             spec = GrammarSpec("json_schema", tool["function"].get("parameters", {"type": "object"}))
             tokens, text, reason = ref.generate(ids, adapter, spec)
             choice = {"type": "function", "function": {"name": name}}
             for stream in (False, True):
-                message, got_reason, n = complete(server, ref, adapter, prompt, {"tools": TOOLS, "tool_choice": choice},
+                message, got_reason, n = complete(server, ref, adapter, prompt, {"tools": tools, "tool_choice": choice},
                                                   chat=True, stream=stream)
                 expected = {"role": "assistant", "content": None, "tool_calls": [tool_call(name, text)]}
                 assert (without_ids(message), got_reason, n) == (expected, reason, len(tokens))
@@ -452,18 +471,33 @@ def test_tool_choice_required_named_and_none(server, ref):
                 jsonschema.validate(json.loads(text), spec.value)
         # none: no constraint, no parsing
         tokens, text, reason = ref.generate(ids, adapter, None, max_tokens=12, bias=False)
-        message, got_reason, n = complete(server, ref, adapter, prompt, {"tools": TOOLS, "tool_choice": "none"},
-                                          chat=True, bias=False, max_tokens=12)
-        assert (message, got_reason, n) == ({"role": "assistant", "content": text}, reason, len(tokens))
-    assert finished >= 3
+        for stream in (False, True):
+            message, got_reason, n = complete(server, ref, adapter, prompt, {"tools": tools, "tool_choice": "none"},
+                                              chat=True, stream=stream, bias=False, max_tokens=12)
+            assert (message, got_reason, n) == ({"role": "assistant", "content": text}, reason, len(tokens))
+    return finished
 
 
-def test_tool_choice_auto_parses_hermes_calls(server, ref):
+TOOL_PROMPTS = (("s", "weather in oslo"), ("b", "add 2 and 3"), (BASE_ID, PROMPTS[0]))
+
+
+def test_tool_choice_required_named_and_none(server, ref):
+    assert check_required_named_none(server, ref, TOOLS, (WEATHER, NOTE), TOOL_PROMPTS) >= 3
+
+
+def test_tool_parameters_with_defs(server, ref):
+    """Parameters that refer to their own $defs ("$ref": "#/$defs/Unit", vLLM's weather tools):
+    required moves every tool's $defs to the root of the array of calls, as vLLM does (a definition
+    both tools share is one); named compiles the parameters as they are."""
+    assert check_required_named_none(server, ref, DEFS_TOOLS, DEFS_TOOLS, TOOL_PROMPTS[:2]) >= 2
+
+
+def check_auto(server, ref, prompts) -> int:
     """auto: no constraint of its own; a regex (structured_outputs) makes the model write a Hermes
     call, which comes back as a tool call, with the text before it as content, streamed the same;
-    without a call the text is the content."""
+    without a call the text is the content. The calls that came back."""
     calls = 0
-    for adapter, prompt in (("s", "weather in oslo"), ("c", "weather?"), (BASE_ID, "hi")):
+    for adapter, prompt in prompts:
         ids = ref.chat_ids([{"role": "user", "content": prompt}], TOOLS)
         tokens, text, reason = ref.generate(ids, adapter, GrammarSpec("regex", AUTO_REGEX), max_tokens=150,
                                             bias=False)
@@ -483,7 +517,11 @@ def test_tool_choice_auto_parses_hermes_calls(server, ref):
             message, got_reason, n = complete(server, ref, adapter, prompt, {"tools": TOOLS}, chat=True,
                                               stream=stream, bias=False, max_tokens=10)
             assert (message, got_reason, n) == ({"role": "assistant", "content": text}, reason, len(tokens))
-    assert calls == 6
+    return calls
+
+
+def test_tool_choice_auto_parses_hermes_calls(server, ref):
+    assert check_auto(server, ref, (("s", "weather in oslo"), ("c", "weather?"), (BASE_ID, "hi"))) == 6
 
 
 def test_openai_client_parse_and_a_tool_call_loop(client, ref):
@@ -602,6 +640,11 @@ BAD = [  # (endpoint, extra fields, the param the 400 names)
               "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools[1].function.parameters"),
     ("chat", {"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": [1]}}]},
      "tools[1].function.parameters"),
+    ("chat", {"tools": [FORECAST, {"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"u": {"$ref": "#/$defs/Unit"}}, "$defs": {"Unit": {"enum": ["k"]}}}}}],
+              "tool_choice": "required"}, "tools[1].function.parameters"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}],
+              "tool_choice": "required"}, "tools[0].function.parameters"),
     ("chat", {"tools": {"name": "f"}}, "tools"),
     ("chat", {"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
     ("chat", {"tools": [{"type": "code_interpreter"}]}, "tools[0]"),
@@ -632,12 +675,12 @@ def test_bad_input_is_a_400_naming_the_field(server, endpoint, extra, param):
     check_refused(status, reply, param)
 
 
-def slow_grammar() -> str:
+def slow_grammar(tag: str = "") -> str:
     """An EBNF grammar of 64 KB whose compilation grows with the square of its chain of rules that
     may be empty (each token can end in any of them): about 7 s on this 320-token vocabulary on a
-    busy 2-core machine, against COMPILE_TIMEOUT."""
+    busy 2-core machine, against COMPILE_TIMEOUT. ``tag``: another grammar of the same cost."""
     rules = [f"r{i} ::= [a-z]* r{i + 1} | [0-9]+ r{i + 1}" for i in range(1790)]
-    return "\n".join(["root ::= r0", *rules, 'r1790 ::= "e"'])
+    return "\n".join(["root ::= r0", *rules, f'r1790 ::= "e{tag}"'])
 
 
 def test_compile_bounds(server, ref):
@@ -662,29 +705,130 @@ def test_compile_bounds(server, ref):
         assert text and set(text) <= set(alphabet) and (reason, n) == ("length", 10)
 
 
-def test_tools_need_a_template_that_shows_them():
-    """A chat template without a tool format refuses tools (400, param tools); the same server
-    serves the chat without them."""
-    from starlette.testclient import TestClient
+# SmolLM2-135M-Instruct's own chat template (ChatML): no tool format, tools are not shown
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
-    from hf_invisiblelora.engine import Engine
-    from hf_invisiblelora.serving.app import Server, build_app
-    from test_serve import CHAT_TEMPLATE
-    from tiny import tiny_tokenizer
 
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
-    engine = Engine(tiny_peft("llama", adapters=("s",), dtype=torch.float32), max_batch=2, max_len=128,
-                    num_draft_tokens=2).start()
-    server = Server(engine, tokenizer, BASE_ID, "/models/tiny")
-    try:
-        client = TestClient(build_app(server), raise_server_exceptions=False)
-        body = {"model": "s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        for choice in ("auto", "none", "required"):
-            reply = client.post("/v1/chat/completions", json={**body, "tools": TOOLS, "tool_choice": choice})
-            check_refused(reply.status_code, reply.json(), "tools")
-            assert reply.json()["error"]["code"] == "tools_unsupported"
-        assert client.post("/v1/chat/completions", json=body).status_code == 200
-    finally:
-        server.close()
-        engine.stop()
+@pytest.fixture(scope="module")
+def chatml(files, tmp_path_factory):
+    """(server URL, Reference) of the same model and adapters with SMOLLM2_TEMPLATE as the chat template."""
+    root = tmp_path_factory.mktemp("serve_structured_chatml")
+    shutil.copytree(files / "adapters", root / "adapters")
+    shutil.copytree(files / "base", root / "base")
+    tok = AutoTokenizer.from_pretrained(root / "base")
+    tok.chat_template = SMOLLM2_TEMPLATE
+    tok.save_pretrained(root / "base")
+    with launch(root, root / "server.log") as (url, _):
+        yield url, Reference(root)
+
+
+def test_tools_on_a_template_without_a_tool_format(chatml):
+    """A template without a tool format (SmolLM2-135M-Instruct's) gets the tools as any template does,
+    as vLLM passes them, and shows none of them: the prompt is the messages' alone. named and
+    required constrain the output to the tool's parameters / the array of calls all the same, none
+    is the text, auto parses Hermes blocks in it: each stock generate()'s on that prompt, streamed
+    and not."""
+    url, ref = chatml
+    messages = [{"role": "user", "content": "weather in oslo"}]
+    assert ref.chat_ids(messages, TOOLS) == ref.chat_ids(messages)  # the template ignores the tools
+    assert check_required_named_none(url, ref, TOOLS, (WEATHER, NOTE), TOOL_PROMPTS[:2]) >= 2
+    assert check_auto(url, ref, (("s", "weather in oslo"), (BASE_ID, "hi"))) == 4
+
+
+# --- the compiler under load, and killed ---
+
+
+PENDING = 2  # --max-pending-grammars of the watched server
+
+
+@pytest.fixture(scope="module")
+def watched(files, tmp_path_factory):
+    """(URL, process, log file) of a server of its own, with --max-pending-grammars PENDING."""
+    log = tmp_path_factory.mktemp("serve_structured_watched") / "server.log"
+    with launch(files, log, "--grammar-compile-timeout", str(COMPILE_TIMEOUT), "--max-pending-grammars",
+                str(PENDING)) as (url, proc):
+        yield url, proc, log
+
+
+def test_slow_grammars_hold_up_nothing_else(watched):
+    """48 requests at once, each a slow grammar of its own (each refused at the timeout): they wait
+    for the compiler's own thread, PENDING at a time, the rest a 429 at once (grammar_queue_full,
+    never a 5xx), so a plain completion is answered promptly meanwhile (it waited behind them for a
+    thread of the pool every request needs: 30 s and more); a grammar refused before is refused at
+    once (it took the timeout again)."""
+    url, _, _ = watched
+    bodies = [{"model": "s", "prompt": "hi", "max_tokens": 4, "guided_grammar": slow_grammar(str(i))}
+              for i in range(48)]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(request, url, "/v1/completions", body) for body in bodies]
+        time.sleep(1)
+        start = time.monotonic()
+        plain = post(url, "/v1/completions", {"model": "b", "prompt": "hello", "max_tokens": 4, "temperature": 0})
+        took = time.monotonic() - start
+        replies = [f.result() for f in futures]
+    assert plain["usage"]["completion_tokens"] and took < 12, took
+    statuses = [status for status, _ in replies]
+    assert set(statuses) <= {400, 429} and statuses.count(429) >= len(bodies) - 4 * PENDING, statuses
+    for status, reply in replies:
+        if status == 429:
+            assert reply["error"]["code"] == "grammar_queue_full" and reply["error"]["type"] == "server_error"
+        else:
+            check_refused(status, reply, "guided_grammar")
+            assert f"longer than {COMPILE_TIMEOUT:g} s" in reply["error"]["message"]
+    refused = next(body for body, (status, _) in zip(bodies, replies) if status == 400)
+    start = time.monotonic()
+    status, reply = request(url, "/v1/completions", refused)
+    assert time.monotonic() - start < 1.0 < COMPILE_TIMEOUT
+    check_refused(status, reply, "guided_grammar")
+    assert f"longer than {COMPILE_TIMEOUT:g} s" in reply["error"]["message"]
+
+
+def grammar_worker(parent: int, other_than: int | None = None) -> int | None:
+    """The pid of ``parent``'s grammar worker (a live child running grammar_worker.py), or None."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == other_than:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"grammar_worker.py" in command:
+            return int(entry)
+    return None
+
+
+def test_a_killed_grammar_worker_is_not_the_requests_fault(watched, ref):
+    """The grammar worker killed while idle, or while it starts: the next request's grammar compiles
+    in a new one, and the answer is stock's (it was a 400 blaming the schema's memory, or a 500);
+    the server's log says each kill was seen."""
+    url, proc, log = watched
+    ids = ref.tok(PROMPTS[0])["input_ids"]
+    for n, kill_while_starting in enumerate((False, True)):
+        schema = {"type": "object", "properties": {f"k{n}": {"type": "integer", "minimum": 0, "maximum": 9}},
+                  "required": [f"k{n}"]}
+        tokens, text, reason = ref.generate(ids, "s", GrammarSpec("json_schema", schema))
+        regex = f"[a-c]{{{n + 9}}}"  # a grammar of its own: compiled in the worker, which is idle after
+        post(url, "/v1/completions", {"model": "b", "prompt": "hi", "max_tokens": 2, "guided_regex": regex})
+        pid = grammar_worker(proc.pid)
+        os.kill(pid, signal.SIGKILL)
+        killer = None
+        if kill_while_starting:
+            def kill_next(old=pid):
+                while (new := grammar_worker(proc.pid, other_than=old)) is None:
+                    time.sleep(0.005)
+                os.kill(new, signal.SIGKILL)
+
+            killer = ThreadPoolExecutor(1).submit(kill_next)
+        assert complete(url, ref, "s", ids, {"guided_json": schema}) == (text, reason, len(tokens))
+        if killer is not None:
+            killer.result(60)
+    seen = log.read_text()
+    assert "grammar compiler's process ended (SIGKILL)" in seen, seen[-3000:]
+    assert "ended while starting (SIGKILL)" in seen, seen[-3000:]

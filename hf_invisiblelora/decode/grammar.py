@@ -19,18 +19,24 @@ generate() is run with.
   a draft), so it is left unmasked.
 - ``Grammars``: one tokenizer's compiler for the server: a request's ``GrammarSpec`` compiled in
   a worker process (grammar_worker.py) bounded in time and memory (a pathological regex or schema
-  is refused, never stalls the server), compiled grammars cached.
+  is refused, never stalls the server; a worker that dies of something else is started again),
+  compiled grammars and refusals remembered, compilations on a thread of their own with a bounded
+  queue.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
 import select
+import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +44,15 @@ import torch
 from . import grammar_worker as _worker
 from .grammar_worker import compile_spec as _compile_spec
 
+logger = logging.getLogger("hf_invisiblelora")
+
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 16  # a schema, regex or grammar's text; longer: refused before compiling
 STARTUP_SECONDS = 120
+WORKER_TRIES = 3  # a worker ended from outside is started again (and asked again) so many times in a row
+CRASHES = {signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}  # what a process raises itself
+REFUSALS_KEPT = 4096  # refused grammars remembered (by digest)
+MAX_PENDING = 8  # grammars waiting for Grammars.submit's thread at once; more: GrammarsBusy
 MAX_SCHEMA_DEPTH = 128  # JSON levels of a schema (a body's own JSON nests at most 32: deeper ones come as text)
 
 
@@ -60,6 +72,19 @@ class GrammarError(ValueError):
     request field it came from, when the caller set it)."""
 
     param = None
+
+
+class CompilerUnavailable(RuntimeError):
+    """The grammar compiler's process does not start, or is ended from outside again and again: the
+    server's trouble, not the grammar's."""
+
+
+class GrammarsBusy(RuntimeError):
+    """Grammars.max_pending grammars wait to be compiled already."""
+
+
+class _Ended(Exception):
+    """The worker's output ended: it exited."""
 
 
 @dataclass(frozen=True)
@@ -109,28 +134,41 @@ def compile_spec(compiler, key: tuple):
 
 
 class Grammars:
-    """One tokenizer's grammars, compiled one at a time, each first in a worker process
-    (grammar_worker.py): one that takes longer than ``timeout`` seconds there, or needs more than
-    ``max_bytes`` of memory, is refused (GrammarError) and the process killed (a new one starts
-    with the next); one that compiled there is compiled here. Compiled grammars are kept, least
-    recently used dropped past ``cache_bytes``.
+    """One tokenizer's grammars. Each is tried first in a worker process (grammar_worker.py): one that
+    takes longer than ``timeout`` seconds there (the process is killed; a new one starts for the
+    next), needs more than ``max_bytes`` of memory, or crashes it, is refused (GrammarError); one
+    that compiled there is compiled here. Compiled grammars are kept, least recently used dropped
+    past ``cache_bytes``; refusals are remembered (REFUSALS_KEPT, by digest), so a grammar refused
+    before is refused at once while the bounds are no looser than those it was refused under.
+
+    A worker that dies of anything but its grammar (killed from outside, while idle, starting or
+    compiling) is started again and the grammar tried again, up to WORKER_TRIES times, then
+    CompilerUnavailable: a dead worker is never the grammar's refusal.
+
+    Compilations run one at a time: ``compile`` in the caller's thread, ``submit`` on this
+    compiler's own thread, with at most ``max_pending`` grammars waiting for it (GrammarsBusy past
+    that), so a server's slow compilations hold no thread of a pool its other requests need.
 
     ``vocab_size``: the model's logits' width (xgrammar's TokenizerInfo pads the tokenizer's vocabulary
     to it: tokens past the tokenizer's are never allowed); ``stop_token_ids``: the tokens a
     grammar may end with (the request's own stops replace them in the engine)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids=None, timeout: float = 10.0,
-                 max_bytes: int = 1 << 30, cache_bytes: int = 256 << 20):
+                 max_bytes: int = 1 << 30, cache_bytes: int = 256 << 20, max_pending: int = MAX_PENDING):
         import xgrammar as xgr
 
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._info_json = self.info.serialize_json()
         self._compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
         self.timeout, self.max_bytes, self.cache_bytes = timeout, max_bytes, cache_bytes
+        self.max_pending = max_pending
         self._cache: OrderedDict = OrderedDict()  # key -> CompiledGrammar
         self._cached_bytes = 0
+        self._refused: OrderedDict = OrderedDict()  # key's digest -> (message, the timeout and max_bytes then)
+        self._pending: dict = {}  # key -> the Future of submit() compiling it
         self._lock = threading.Lock()  # one compilation at a time
-        self._cache_lock = threading.Lock()  # a cached grammar does not wait for a compilation
+        self._cache_lock = threading.Lock()  # what is known and pending: a cached grammar waits for no compilation
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="hf_invisiblelora-grammars")
         self._process = None
 
     def start(self) -> "Grammars":
@@ -141,67 +179,128 @@ class Grammars:
         return self
 
     def _ensure_worker(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            return
-        self._process = subprocess.Popen([sys.executable, "-P", _worker.__file__, str(self.max_bytes)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                         text=True, bufsize=1)
-        self._process.stdin.write(self._info_json + "\n")
-        self._process.stdin.flush()
-        # Its start (importing xgrammar, torch) is not a compilation's time.
-        if self._answer(STARTUP_SECONDS) != ["ready"]:
-            self._kill()
-            raise GrammarError("the grammar compiler's process did not start")
+        """A worker ready for a grammar: the one running, else a new one (CompilerUnavailable if none starts)."""
+        if self._process is not None:
+            if self._process.poll() is None:
+                return
+            logger.warning("the grammar compiler's process ended (%s); starting another", _status(self._kill()))
+        for _ in range(WORKER_TRIES):
+            self._process = subprocess.Popen([sys.executable, "-P", _worker.__file__, str(self.max_bytes)],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                             text=True, bufsize=1)
+            self._send(self._info_json)
+            try:  # its start (importing xgrammar, torch) is not a compilation's time
+                if self._answer(STARTUP_SECONDS) == ["ready"]:
+                    return
+                break  # no answer in time: it will not start
+            except _Ended:
+                logger.warning("the grammar compiler's process ended while starting (%s); starting another",
+                               _status(self._kill(wait=5)))
+        self._kill()
+        raise CompilerUnavailable("the grammar compiler's process did not start")
+
+    def _send(self, line: str) -> None:
+        try:
+            self._process.stdin.write(line + "\n")
+            self._process.stdin.flush()
+        except OSError:
+            pass  # it died: its output ends, and its exit status says why
 
     def _answer(self, timeout: float):
-        """The worker's next line (JSON), or None if none comes within ``timeout`` seconds or it died."""
+        """The worker's next line (JSON), or None if none comes within ``timeout`` seconds; _Ended if
+        its output ends (it exited)."""
         ready, _, _ = select.select([self._process.stdout], [], [], timeout)
-        line = self._process.stdout.readline() if ready else ""
-        return json.loads(line) if line else None
+        if not ready:
+            return None
+        line = self._process.stdout.readline()
+        if not line:
+            raise _Ended
+        return json.loads(line)
 
-    def _kill(self) -> None:
-        if self._process is not None:
-            self._process.kill()
-            self._process.wait(5)
-            for stream in (self._process.stdin, self._process.stdout):
+    def _kill(self, wait: float = 0) -> int | None:
+        """End the worker: waited for up to ``wait`` seconds (its output ended: it is exiting), else
+        killed; its pipes closed. Its exit status (minus the signal's number when a signal ended it)."""
+        process, self._process = self._process, None
+        if process is None:
+            return None
+        try:
+            process.wait(wait)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+        for stream in (process.stdin, process.stdout):
+            with contextlib.suppress(OSError):  # a line it never read flushed into a closed pipe
                 stream.close()
-        self._process = None
+        return process.returncode
 
     def close(self) -> None:
         with self._lock:
             self._kill()
 
-    def compile(self, spec: GrammarSpec):
-        """The CompiledGrammar of ``spec``; GrammarError if it is invalid or past the bounds."""
-        key = spec.key()
+    def _known(self, key: tuple):
+        """The CompiledGrammar of ``key`` if it was compiled, else None; GrammarError if it was refused
+        under bounds no tighter than these."""
+        digest = _digest(key)
         with self._cache_lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
+            refused = self._refused.get(digest)
+            if refused is not None and self.timeout <= refused[1] and self.max_bytes <= refused[2]:
+                raise GrammarError(refused[0])
+        return None
+
+    def compile(self, spec: GrammarSpec):
+        """The CompiledGrammar of ``spec``; GrammarError if it is invalid or past the bounds,
+        CompilerUnavailable if the worker cannot be run."""
+        return self._compile(spec, spec.key())
+
+    def submit(self, spec: GrammarSpec) -> Future:
+        """A Future of ``spec``'s CompiledGrammar (``compile``), compiled on this compiler's own thread;
+        done already if it was compiled before. Never waits: GrammarError at once for an invalid spec
+        or one refused before, GrammarsBusy when ``max_pending`` other grammars wait already; the
+        callers of a grammar that waits share its Future. Call it off an event loop: reading a large
+        schema takes a while."""
+        key = spec.key()
+        compiled = self._known(key)
+        if compiled is not None:
+            future = Future()
+            future.set_result(compiled)
+            return future
+        with self._cache_lock:
+            if key in self._pending:
+                return self._pending[key]
+            if len(self._pending) >= self.max_pending:
+                raise GrammarsBusy(f"{len(self._pending)} grammars are waiting to be compiled already")
+            future = self._pending[key] = self._executor.submit(self._compile, spec, key)
+        future.add_done_callback(lambda _: self._finished(key))  # not under the lock: it may run at once
+        return future
+
+    def _finished(self, key: tuple) -> None:
+        with self._cache_lock:
+            del self._pending[key]
+
+    def _compile(self, spec: GrammarSpec, key: tuple):
+        compiled = self._known(key)
+        if compiled is not None:
+            return compiled
         with self._lock:
-            with self._cache_lock:  # compiled meanwhile by the call this one waited for
-                if key in self._cache:
-                    return self._cache[key]
-            self._ensure_worker()
-            start = time.monotonic()
+            compiled = self._known(key)  # compiled, or refused, meanwhile by the call this one waited for
+            if compiled is not None:
+                return compiled
             try:
-                self._process.stdin.write(json.dumps(key) + "\n")
-                self._process.stdin.flush()
-            except OSError:
-                pass  # it died: no answer comes
-            answer = self._answer(self.timeout)
-            if answer is None:
-                timed_out = time.monotonic() - start >= self.timeout
-                self._kill()
-                if timed_out:
-                    raise GrammarError(f"the {spec.kind} takes longer than {self.timeout:g} s to compile")
-                raise GrammarError(_worker.MEMORY)
-            if answer[0] != "ok":
-                raise GrammarError(answer[1] if answer[1] == _worker.MEMORY else f"invalid {spec.kind}: {answer[1]}")
-            try:
-                compiled = compile_spec(self._compiler, key)  # as long as it took there, within the bounds
-            except Exception as e:  # noqa: BLE001 - what compiled there does here; a request's error if not
-                raise GrammarError(f"invalid {spec.kind}: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from None
+                self._try(spec, key)
+                try:
+                    compiled = compile_spec(self._compiler, key)  # as long as it took there, within the bounds
+                except Exception as e:  # noqa: BLE001 - what compiled there does here; a request's error if not
+                    text = str(e).strip()
+                    raise GrammarError(f"invalid {spec.kind}: {text.splitlines()[0] if text else repr(e)}") from None
+            except GrammarError as e:
+                with self._cache_lock:
+                    self._refused[_digest(key)] = (str(e), self.timeout, self.max_bytes)
+                    while len(self._refused) > REFUSALS_KEPT:
+                        self._refused.popitem(last=False)
+                raise
             with self._cache_lock:
                 self._cache[key] = compiled
                 self._cached_bytes += compiled.memory_size_bytes
@@ -209,6 +308,44 @@ class Grammars:
                     _, old = self._cache.popitem(last=False)
                     self._cached_bytes -= old.memory_size_bytes
             return compiled
+
+    def _try(self, spec: GrammarSpec, key: tuple) -> None:
+        """Compile ``key`` in the worker, within the bounds (GrammarError if not). A worker that ends on
+        its own (a signal it raised itself, as a crash does, or an exit status) ended on the grammar,
+        which is refused; one ended by any other signal was ended from outside: started again."""
+        for _ in range(WORKER_TRIES):
+            self._ensure_worker()
+            self._send(json.dumps(key))
+            try:
+                answer = self._answer(self.timeout)
+            except _Ended:
+                status = self._kill(wait=5)
+                if status > 0 or -status in CRASHES:
+                    raise GrammarError(f"compiling the {spec.kind} crashed the grammar compiler ({_status(status)}: past "
+                                       "the memory a grammar may use, or a fault of xgrammar's)") from None
+                logger.warning("the grammar compiler's process ended (%s) before its answer; compiling again in a "
+                               "new one", _status(status))
+                continue
+            if answer is None:  # our bound
+                self._kill()
+                raise GrammarError(f"the {spec.kind} takes longer than {self.timeout:g} s to compile")
+            if answer[0] != "ok":
+                raise GrammarError(answer[1] if answer[1] == _worker.MEMORY else f"invalid {spec.kind}: {answer[1]}")
+            return
+        raise CompilerUnavailable(f"the grammar compiler's process was ended {WORKER_TRIES} times in a row")
+
+
+def _digest(key: tuple) -> bytes:
+    return hashlib.sha256(json.dumps(key).encode()).digest()
+
+
+def _status(code: int) -> str:
+    """A process's exit status in words: the signal's name, or the exit code."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return signal.Signals(-code).name
+        return f"signal {-code}"
+    return f"exit status {code}"
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

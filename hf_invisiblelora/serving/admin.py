@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.adapters import check_name
@@ -27,6 +28,12 @@ def missing(option: str, path: str, needed: str, what: str) -> str | None:
     if not os.path.isfile(os.path.join(folder, needed)):
         return f"{option} has no {needed} ({what})"
     return None
+
+
+def success(text: str) -> Response:
+    """A load's or unload's answer as vLLM's: 200 with the text as the body and no Content-Type (its
+    route returns ``Response(status_code=200, content=text)``); clients look for "Success" in it."""
+    return Response(text, status_code=200)
 
 
 class AdapterAdmin:
@@ -83,7 +90,7 @@ class AdapterAdmin:
                 raise exists from e
             raise adapter_refused(e, "lora_path") from e
         logger.info("%s adapter %r from %s", "reloaded" if inplace else "loaded", name, folder)
-        return {"object": "lora_adapter", "id": name, "status": "reloaded" if inplace else "loaded"}
+        return success(f"Success: LoRA adapter '{name}' added successfully.")  # a reload's too, as vLLM's
 
     async def unload_adapter(self, request):
         self.check_runtime_updates()
@@ -102,4 +109,4 @@ class AdapterAdmin:
         except NotRunning as e:
             raise self.unavailable() from e
         logger.info("unloaded adapter %r", name)
-        return {"object": "lora_adapter", "id": name, "status": "unloaded"}
+        return success(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from ..decode.grammar import MAX_PENDING
 from .admin import AdapterAdmin
 from .bridge import Job
 from .completions import Completions
@@ -34,11 +35,12 @@ class Server(Completions, AdapterAdmin):
     load at run time only if ``runtime_updates``, from inside ``lora_roots`` (resolved folders;
     none: anywhere); bodies of at most ``max_body_bytes``. Structured outputs' grammars are compiled
     by ``grammars`` (decode.grammar.Grammars: its process starts with the app's lifespan, or at the
-    first compilation), each within ``grammar_compile_timeout`` seconds."""
+    first compilation), each within ``grammar_compile_timeout`` seconds, at most ``max_pending_grammars``
+    waiting to be compiled."""
 
     def __init__(self, engine, tokenizer, model_id: str, root: str | None = None, *, api_key: str | None = None,
                  runtime_updates: bool = False, lora_roots: list[str] = (), max_body_bytes: int = MAX_BODY_BYTES,
-                 grammar_compile_timeout: float = GRAMMAR_COMPILE_TIMEOUT):
+                 grammar_compile_timeout: float = GRAMMAR_COMPILE_TIMEOUT, max_pending_grammars: int = MAX_PENDING):
         self.engine, self.tokenizer, self.model_id, self.root = engine, tokenizer, model_id, root
         self.api_key, self.runtime_updates, self.lora_roots = api_key, runtime_updates, list(lora_roots)
         self.max_body_bytes = max_body_bytes
@@ -51,8 +53,7 @@ class Server(Completions, AdapterAdmin):
         self.active = 0  # HTTP requests being answered (FrontDoor)
         # None (and why not) where xgrammar is missing or cannot read the tokenizer: structured fields get 400
         self.grammars, self.grammars_missing = make_grammars(tokenizer, engine.vocab_size, engine.eos_ids,
-                                                             grammar_compile_timeout)
-        self.tools_support: dict = {}  # chat template -> whether it shows tools (template_shows_tools)
+                                                             grammar_compile_timeout, max_pending_grammars)
 
     def start_grammars(self) -> None:
         """Start the grammar compiler's process in the background (its imports take seconds), so the

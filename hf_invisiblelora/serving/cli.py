@@ -11,6 +11,7 @@ import sys
 import uvicorn
 from starlette.concurrency import run_in_threadpool
 
+from ..decode.grammar import MAX_PENDING
 from ..lora.files import MAX_RANK
 from .admin import missing
 from .app import Server, build_app
@@ -187,6 +188,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grammar-compile-timeout", type=float, default=GRAMMAR_COMPILE_TIMEOUT,
                    help="seconds a structured output's grammar (a JSON schema, regex, choice list, EBNF grammar, a "
                         "tool's parameters) may take to compile; longer: refused with a 400")
+    p.add_argument("--max-pending-grammars", type=int, default=MAX_PENDING,
+                   help="grammars waiting to be compiled at once (compilations run one at a time); a request whose "
+                        "grammar would be one more is refused with a 429")
     p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT,
                    help="on SIGTERM, seconds for the requests in flight to finish before they are ended")
     return p
@@ -203,6 +207,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-body-bytes must be >= 1 and --shutdown-timeout >= 0")
     if not 0 < args.grammar_compile_timeout <= 3600:
         p.error("--grammar-compile-timeout must be in (0, 3600] seconds")
+    if args.max_pending_grammars < 1:
+        p.error("--max-pending-grammars must be >= 1")
     if any(v is not None and v < 1 for v in (args.max_loras, args.max_cpu_loras, args.max_lora_rank)):
         p.error("--max-loras, --max-cpu-loras and --max-lora-rank must be >= 1")
     if args.prefix_cache_bytes is not None and args.prefix_cache_bytes < 1:
@@ -259,7 +265,8 @@ def build_server(args: argparse.Namespace) -> Server | int:
     lora_roots = [os.path.realpath(root) for root in args.lora_root]
     return Server(engine, tokenizer, model_id, root, api_key=args.api_key,
                   runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,
-                  max_body_bytes=args.max_body_bytes, grammar_compile_timeout=args.grammar_compile_timeout)
+                  max_body_bytes=args.max_body_bytes, grammar_compile_timeout=args.grammar_compile_timeout,
+                  max_pending_grammars=args.max_pending_grammars)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from ..lora.files import AdapterRefused
 from ..model.walk import BASE
 from .bridge import ClientGone, Completion, Job
 from .protocol import ApiError, Sampling, adapter_refused, bad, internal_error, json_body, not_found, show
-from .structured import ToolCalls, compile_constraint, message_tool_calls, supports_tools
+from .structured import ToolCalls, compile_constraint, message_tool_calls
 from .text import Stops
 
 logger = logging.getLogger("hf_invisiblelora.serve")
@@ -93,13 +93,6 @@ class Completions:
                                                   continue_final_message=sampling.continue_final if sampling else False,
                                                   tokenize=False, **kwargs)
 
-    def template_shows_tools(self) -> bool:
-        """Whether the chat template renders tools (a probe tool's name in its text), once per template."""
-        template = self.tokenizer.chat_template
-        if template not in self.tools_support:
-            self.tools_support[template] = supports_tools(self.tokenizer, lambda m, t: self.render_chat(m, t))
-        return self.tools_support[template]
-
     def chat_prompt(self, body: dict, sampling: Sampling) -> list[int]:
         plain = self.chat_messages(body)
         tools = sampling.tools.tools if sampling.tools is not None else None
@@ -110,14 +103,8 @@ class Completions:
             raise ApiError(400, "This model's tokenizer has no chat template; use /v1/completions.",
                            param="messages", code="no_chat_template")
         try:
-            with self.encode_lock:
-                if tools and not self.template_shows_tools():
-                    raise ApiError(400, "This model's chat template has no format for tools (it does not show them "
-                                   "to the model), so `tools` cannot be served.", param="tools",
-                                   code="tools_unsupported")
+            with self.encode_lock:  # tools go to any template, as vLLM's: one without a tool format ignores them
                 text = self.render_chat(plain, tools, sampling)
-        except ApiError:
-            raise
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages
             raise ApiError(400, "This model's chat template refused these messages (for example, roles in an order "
                            "it does not accept).", param="messages", code="invalid_value", cause=e) from e
@@ -153,12 +140,10 @@ class Completions:
                 raise ApiError(400, f"Structured outputs are not served here: {self.grammars_missing}.",
                                param=sampling.constraint.param.split(".")[0].split("[")[0],
                                code="unsupported_parameter")
-            grammar = await run_in_threadpool(compile_constraint, self.grammars, sampling.constraint)
+            grammar = await compile_constraint(self.grammars, sampling.constraint)
         max_tokens = sampling.max_tokens
         if max_tokens is None:
             max_tokens = self.room(len(prompt)) if chat else COMPLETION_DEFAULT_MAX_TOKENS
-        if max_tokens < 0:
-            raise bad(sampling.max_tokens_field, f"`{sampling.max_tokens_field}` must be >= 0, got {max_tokens}.")
         if sampling.min_tokens > max_tokens:
             raise bad("min_tokens", f"`min_tokens` ({sampling.min_tokens}) is more than max_tokens ({max_tokens}).")
         stops = Stops(sampling.stop, sampling.min_tokens, sampling.include_stop,

@@ -265,6 +265,13 @@ class Sampling:
         self.include_stop = _flag(body, "include_stop_str_in_output")
         self.ignore_eos = _flag(body, "ignore_eos")
         self.echo = _flag(body, "echo")
+        echo_only = self.max_tokens == 0 and self.echo and not chat
+        if self.max_tokens is not None and self.max_tokens < 1 and not echo_only:
+            # vLLM's rule: SamplingParams wants max_tokens >= 1; a completion with echo and max_tokens 0 is the
+            # prompt only (its echo_without_generation), as lm-evaluation-harness scores a prompt
+            field = self.max_tokens_field
+            raise bad(field, f"`{field}` must be at least 1, got {self.max_tokens}"
+                             f"{'' if chat else ' (0 is served with echo: the prompt only)'}.")
         self.token_ids_as_text = _flag(body, "return_tokens_as_token_ids")  # vLLM's: logprobs' tokens as "token_id:N"
         self.stream = _flag(body, "stream")
         options = body.get("stream_options") or {}

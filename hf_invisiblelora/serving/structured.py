@@ -7,13 +7,17 @@ the server's ``Grammars`` off the event loop before a request is submitted.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import math
 import re
 import secrets
 from dataclasses import dataclass, field
 
-from ..decode.grammar import GrammarError, Grammars, GrammarSpec
+from starlette.concurrency import run_in_threadpool
+
+from ..decode.grammar import CompilerUnavailable, GrammarError, Grammars, GrammarsBusy, GrammarSpec
 from .protocol import ApiError, bad, show
 from .text import held_tail
 
@@ -29,7 +33,6 @@ GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS, "guided_decoding_backend")
 BACKENDS = ("xgrammar", "auto")  # guided_decoding_backend: what we are; anything else is refused
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-PROBE_TOOL = "hf_invisiblelora_probe_tool"  # rendered to see whether a chat template shows tools
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,29 @@ class Tools:
     names: list = field(default_factory=list)
 
 
+def _lifted_defs(schemas: list) -> tuple[dict, list]:
+    """(every tool's ``$defs`` merged, each tool's parameters without its own) for tool_choice
+    "required": a tool's "#/$defs/..." references point at the root of the schema they are in, which
+    in the array of calls is the array's, so the definitions move there, as vLLM's
+    get_tool_schema_defs moves them. One name defined differently by two tools is a 400, as in vLLM."""
+    merged, stripped = {}, []
+    for i, schema in enumerate(schemas):
+        defs = schema.get("$defs") if schema is not None else None
+        if defs is None:
+            stripped.append(schema)
+            continue
+        param = f"tools[{i}].function.parameters"
+        if not isinstance(defs, dict):
+            raise bad(param, f"`{param}.$defs` must be an object of schemas.")
+        for name, definition in defs.items():
+            if merged.setdefault(name, definition) != definition:
+                raise bad(param, f"`{param}.$defs` defines {show(name)} unlike an earlier tool: with tool_choice "
+                                 "\"required\" the tools' $defs share one namespace (as in vLLM), so a name must "
+                                 "mean one schema.")
+        stripped.append({k: v for k, v in schema.items() if k != "$defs"})
+    return merged, stripped
+
+
 def parse_tools(body: dict) -> Tools | None:
     """The chat's tools and tool_choice, checked (400 naming the field); None without tools."""
     tools, choice = body.get("tools"), body.get("tool_choice")
@@ -182,10 +208,13 @@ def parse_tools(body: dict) -> Tools | None:
         return Tools(rendered, choice or "auto", names=names)
     if choice == "required":
         # vLLM's: a JSON array of one or more {"name": <a tool's name>, "parameters": <its parameters>}
+        defs, parameters = _lifted_defs(schemas)
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]},
                                                     "parameters": s if s is not None else {"type": "object"}},
-                  "required": ["name", "parameters"]} for n, s in zip(names, schemas)]
+                  "required": ["name", "parameters"]} for n, s in zip(names, parameters)]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if defs:
+            schema["$defs"] = defs
         parts = tuple((f"tools[{i}].function.parameters", GrammarSpec("json_schema", s))
                       for i, s in enumerate(schemas) if s is not None)
         return Tools(rendered, "required", constraint=Constraint("tools", GrammarSpec("json_schema", schema), parts),
@@ -229,18 +258,6 @@ def message_tool_calls(calls, i: int) -> list:
     return out
 
 
-def supports_tools(tokenizer, render) -> bool:
-    """Whether the tokenizer's chat template shows tools: a probe tool rendered by ``render(messages,
-    tools)`` must appear in its text."""
-    probe = [{"type": "function", "function": {"name": PROBE_TOOL, "description": "probe",
-                                               "parameters": {"type": "object", "properties": {}}}}]
-    try:
-        text = render([{"role": "user", "content": "hi"}], probe)
-    except Exception:  # noqa: BLE001 - a template that fails with tools has no tool format we can use
-        return False
-    return PROBE_TOOL in text
-
-
 # --- the compiler ---
 
 
@@ -256,10 +273,11 @@ def grammar_message(error: GrammarError, spec: GrammarSpec) -> str:
     return text if len(text) <= 500 else text[:497] + "..."
 
 
-def make_grammars(tokenizer, vocab_size: int, stop_token_ids, timeout: float):
+def make_grammars(tokenizer, vocab_size: int, stop_token_ids, timeout: float, max_pending: int):
     """(Grammars or None, why not): None where xgrammar is not installed or cannot read the tokenizer."""
     try:
-        return Grammars(tokenizer, vocab_size, stop_token_ids=stop_token_ids, timeout=timeout), None
+        return Grammars(tokenizer, vocab_size, stop_token_ids=stop_token_ids, timeout=timeout,
+                        max_pending=max_pending), None
     except ImportError:
         return None, "xgrammar is not installed (pip install \"hf-invisiblelora[structured]\")"
     except Exception as e:  # noqa: BLE001 - a tokenizer xgrammar cannot read: served without structured outputs
@@ -267,23 +285,43 @@ def make_grammars(tokenizer, vocab_size: int, stop_token_ids, timeout: float):
         return None, "xgrammar cannot read this model's tokenizer"
 
 
-def compile_constraint(grammars: Grammars, constraint: Constraint):
-    """The CompiledGrammar of ``constraint`` (call it off the event loop); a 400 naming the field
-    for an invalid, unsupported or too costly one. For tool_choice "required", a failure is traced
-    to the tool whose parameters do not compile where one does not."""
+async def _compiled(grammars: Grammars, spec: GrammarSpec):
+    """``spec``'s CompiledGrammar: looked up on a pool thread (reading a large schema takes a while),
+    compiled on the compiler's own (Grammars.submit), so a request waiting for its grammar holds no
+    thread of the pool every request needs. Shielded: a request that goes away while it waits does
+    not cancel a compilation other requests share."""
+    future = await run_in_threadpool(grammars.submit, spec)
+    return await asyncio.shield(asyncio.wrap_future(future))
+
+
+async def compile_constraint(grammars: Grammars, constraint: Constraint):
+    """The CompiledGrammar of ``constraint``, at once if it was compiled before. A 400 naming the
+    field for an invalid, unsupported or too costly one (at once if it was refused before): for
+    tool_choice "required", traced to the tool whose parameters do not compile where one does not.
+    429 when Grammars.max_pending other grammars wait to be compiled (a retry after a compilation's
+    time may find room, or the grammar compiled); 503 when the compiler's process cannot be run."""
     try:
-        return grammars.compile(constraint.spec)
+        return await _compiled(grammars, constraint.spec)
     except GrammarError as e:
         param, error, spec = constraint.param, e, constraint.spec
         if constraint.parts and str(e).startswith("invalid") and "bad_alloc" not in str(e):
             for part, part_spec in constraint.parts:
                 try:
-                    grammars.compile(part_spec)
+                    await _compiled(grammars, part_spec)
                 except GrammarError as e2:
                     param, error, spec = part, e2, part_spec
                     break
+                except (GrammarsBusy, CompilerUnavailable):
+                    break  # not traced: the whole's error stands
         raise ApiError(400, f"`{param}` cannot be served: {grammar_message(error, spec)}.", param=param,
                        code="invalid_value") from None
+    except GrammarsBusy as e:
+        raise ApiError(429, f"{grammars.max_pending} grammars are waiting to be compiled already (this server's "
+                       "bound); retry later.", type="server_error", code="grammar_queue_full",
+                       headers={"Retry-After": str(math.ceil(grammars.timeout))}) from e
+    except CompilerUnavailable as e:
+        raise ApiError(503, "The grammar compiler cannot be run now (the server's log says why); retry later.",
+                       type="server_error", code="grammar_compiler_unavailable", cause=e) from e
 
 
 # --- a chat answer's tool calls ---
