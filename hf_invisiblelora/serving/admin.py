@@ -12,7 +12,6 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine.adapters import check_name
 from ..engine.engine import AdapterBusy, AdapterExists, LastAdapter, NotRunning, UnknownAdapter
-from ..model.walk import BASE
 from .protocol import ApiError, adapter_refused, bad, json_body, show
 
 logger = logging.getLogger("hf_invisiblelora.serve")
