@@ -80,8 +80,9 @@ class AdapterAdmin:
         if name == self.model_id:
             raise exists
         try:  # the engine reads the files inside the roots and refuses what it cannot serve; a failure changes nothing
-            await run_in_threadpool(self.engine.load_adapter, name, folder, roots=self.lora_roots or None,
-                                    inplace=inplace)
+            # The path as given (/v1/models shows it so, as vLLM does); read inside the roots whatever it says
+            await run_in_threadpool(self.engine.load_adapter, name, os.path.expanduser(path),
+                                    roots=self.lora_roots or None, inplace=inplace)
         except Exception as e:  # noqa: BLE001 - PEFT's errors for a bad folder are of many kinds
             if isinstance(e, NotRunning):
                 raise self.unavailable() from e
