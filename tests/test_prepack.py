@@ -92,10 +92,16 @@ def test_off_and_where_it_does_not_apply(monkeypatch):
     assert not calls and not state_of(model64).packed
 
 
+def always_faster(monkeypatch, fewest=1):
+    """prepack="auto" measured the copies faster from ``fewest`` tokens on, for every shape."""
+    monkeypatch.setattr(prepack, "thresholds", lambda modules: {prepack._shape(m): fewest for m in modules})
+
+
 def test_auto_leaves_them_out_without_the_memory(monkeypatch):
     calls = counted(monkeypatch)
     model = fp32_model()
     ids, mask = prompts(LENGTHS)
+    always_faster(monkeypatch)
     monkeypatch.setattr(prepack, "available_bytes", lambda: 1000)
     greedy(model, ids, mask, invisible_lora=True)
     assert not calls and not state_of(model).packed
@@ -211,3 +217,20 @@ def test_engine_keeps_them_through_adapter_changes(monkeypatch, tmp_path):
         assert engine.error is None
     finally:
         engine.stop()
+
+
+def test_auto_runs_each_copy_from_its_measured_token_count(monkeypatch):
+    """prepack="auto": a layer runs its copy for inputs of at least the token count measured faster
+    (here 12: the prompts' passes, not the one-token steps), F.linear below it, and layers whose copy
+    was never faster get none; the tokens are stock's."""
+    model = fp32_model()
+    ids, mask = prompts(LENGTHS)
+    stock = greedy(model, ids, mask)
+    never = prepack._shape(model.get_base_model().lm_head)
+    monkeypatch.setattr(prepack, "thresholds", lambda modules: {
+        prepack._shape(m): prepack.NEVER if prepack._shape(m) == never else 12 for m in modules})
+    calls = counted(monkeypatch)
+    ours = greedy(model, ids, mask, invisible_lora=True, gate="never")
+    assert calls and all(shape[:-1].numel() >= 12 for shape in calls)
+    assert model.get_base_model().lm_head not in packed_of(model)
+    assert torch.equal(ours, stock) or all_near_ties(divergences(model, ROWS, stock, ours, mask, ids.shape[1]))

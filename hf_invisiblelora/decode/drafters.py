@@ -58,6 +58,7 @@ import torch
 from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
+from .. import tuning
 from ..model.derived import DerivedCopies, SourceCheck
 from ..model.prepack import available_bytes
 from ..model.quantized import dense_weight, plain
@@ -73,11 +74,12 @@ INT4_GROUP = 32
 INT8_WIDTH = 16
 
 
-# draft_dtype="auto" (the default) on the CPU: the full base model and its weight-only int8 and int4
-# copies, among which the gate picks per cycle by measured cost and acceptance. Measured on SmolLM2
-# with its zoo (docs/benchmarks.md, "Cheap drafters by default"): 1.6x the default of before at one
-# row, 1.1-1.2x at four; the gate keeps to the full model or plain steps where they do not pay.
-AUTO = (None, torch.int8, torch.int4)
+# draft_dtype="auto" (the default) on the CPU: the full base model and those of its bfloat16, int8 and
+# int4 copies whose matmuls are faster than full precision on this CPU (``auto_dtypes``: measured),
+# the two fastest at most; the gate picks among them per cycle by measured cost and acceptance.
+AUTO = (torch.bfloat16, torch.int8, torch.int4)
+AUTO_KEEP = 2
+SAMPLE = 4  # layers of a shape timed (their time scaled to the model's count of them)
 
 
 def check_dtype(dtype, model, compiled: bool = False) -> tuple:
@@ -103,17 +105,48 @@ def check_dtype(dtype, model, compiled: bool = False) -> tuple:
 
 
 def auto_dtypes(model) -> tuple:
-    """``AUTO`` on the CPU where the model has float linear layers to copy (a quantized base drafts as
-    it is) and their int8 and int4 copies fit in half the memory available (as prepack="auto");
-    else the base model as it is."""
+    """The base model as it is (None), and on the CPU, where the model has float linear layers to copy
+    (a quantized base drafts as it is), the dtypes of ``AUTO`` whose copies of them run a one-token
+    pass faster than the layers as they are (tuning.py: measured on the model's own layer shapes,
+    once per machine), the ``AUTO_KEEP`` fastest, if their copies fit in half the memory available."""
     if model.device.type != "cpu":
         return (None,)
-    weights = [m.weight for m in linears(model) if plain(m.weight) and m.weight.dtype.is_floating_point]
-    copies = sum(w.numel() for w in weights) * 3 // 2  # int8: 1 byte per weight, int4: half of one
-    room = available_bytes()
-    if not weights or room is not None and 2 * copies > room:
+    modules = [m for m in linears(model) if plain(m.weight) and m.weight.dtype.is_floating_point]
+    if not modules:
         return (None,)
-    return AUTO
+    groups = {}
+    for m in modules:
+        groups.setdefault((m.out_features, m.in_features, m.weight.dtype), []).append(m)
+    faster = tuning.tuned("draft_dtype", sorted(f"{o}x{i}:{d}" for o, i, d in groups),
+                          lambda: _faster_dtypes(groups))["faster"]
+    dtypes = tuple(getattr(torch, name) for name in faster)
+    size = {torch.bfloat16: 2, torch.float16: 2, torch.int8: 1, torch.int4: 0.5}
+    copies = sum(m.weight.numel() for m in modules) * sum(size[d] for d in dtypes)
+    room = available_bytes()
+    if room is not None and 2 * copies > room:
+        return (None,)
+    return (None, *dtypes)
+
+
+def _faster_dtypes(groups: dict) -> dict:
+    """{"faster": the dtypes of AUTO whose one-token pass over the layers (SAMPLE of each shape, timed
+    together, scaled to the model's count) takes at most tuning.MARGIN of the layers' own, fastest
+    first, AUTO_KEEP at most; "ms": each one's estimated pass}."""
+    with torch.no_grad():
+        sample = {shape: layers[:SAMPLE] for shape, layers in groups.items()}
+        xs = {shape: torch.randn(1, shape[1], dtype=shape[2]) for shape in sample}
+        ways = {"full": {shape: [(lambda x, m=m: nn.functional.linear(x, m.weight, m.bias)) for m in layers]
+                         for shape, layers in sample.items()}}
+        for d in AUTO:
+            ways[str(d).removeprefix("torch.")] = {shape: [low_precision_linear(m.weight, m.bias, d) for m in layers]
+                                                   for shape, layers in sample.items()}
+        per_shape = {shape: tuning.fastest({name: (lambda fns=way[shape], x=xs[shape]: [f(x) for f in fns])
+                                            for name, way in ways.items()}) for shape in sample}
+    total = {name: sum(t[name] * len(groups[shape]) / len(sample[shape]) for shape, t in per_shape.items())
+             for name in ways}
+    faster = [n for n in total if n != "full" and tuning.pick({"full": total["full"], n: total[n]}, "full") == n]
+    faster = sorted(faster, key=total.get)[:AUTO_KEEP]
+    return {"faster": faster, "ms": {n: round(t * 1e3, 2) for n, t in total.items()}}
 
 
 def low_precision_linear(weight: torch.Tensor, bias, dtype):

@@ -5,14 +5,20 @@
 
 Every plain ``nn.Linear`` with a plain float32 weight on the CPU (the base layers under PEFT's
 LoRA wrappers, the layers no adapter targets, the output head; not the adapters' own lora_A /
-lora_B, which the bank reads from its stacks; quantized layers compute as they are: quantized.py) gets a copy of its weight in oneDNN's layout (kernels/packed_linear.py: a
-decode step's matmuls up to 2x faster), kept in the model state while the weight is unchanged;
-every pass of ours (prefill, LoRA-on, draft, verify) runs them, anything else (another thread, a
-user's processor calling the model) gets the layers as they are. A drafter's low-precision layers
-take the place of these in its passes.
+lora_B, which the bank reads from its stacks; quantized layers compute as they are: quantized.py)
+can get a copy of its weight in oneDNN's layout (kernels/packed_linear.py), kept in the model state
+while the weight is unchanged; our passes (prefill, LoRA-on, draft, verify) run it, anything else
+(another thread, a user's processor calling the model) gets the layers as they are. A drafter's
+low-precision layers take the place of these in its passes.
 
-The copies cost the weights' size again in memory: ``prepack="auto"`` makes them when they fit in
-half the memory available, ``True`` always, ``False`` never. The output is the model's up to
+Whether the copy is faster than PyTorch's own ``F.linear`` depends on the CPU and on the tokens a
+pass gives the layer: on an AVX2 EPYC it was up to 2x faster at every count, on a Xeon with AMX
+2-3x slower at 1-2 tokens and faster from 4. So ``prepack="auto"`` measures both on the model's own
+layers, per weight shape and token count (``thresholds``; tuning.py: once per machine, cached), and
+a layer runs its copy only from the token count where the copy is faster, ``F.linear`` below it;
+layers whose copy is never faster get none. The copies cost the weights' size again in memory:
+"auto" makes none unless they fit in half the memory available. ``True``: every layer, every token
+count; ``False``: none. The output is the model's up to
 float32 rounding (another kernel: another order of summation, as a batch of another size is for
 MKL), so greedy tokens can differ from stock's only at near ties of its logits.
 
@@ -29,6 +35,7 @@ import os
 import torch
 from torch import nn
 
+from .. import tuning
 from ..kernels import packed_linear
 from .context import on_real, real_tokens
 from .derived import DerivedCopies, SourceCheck
@@ -37,6 +44,11 @@ from .routing import ALL
 from .walk import linears
 
 logger = logging.getLogger("hf_invisiblelora")
+# Tokens per layer at which "auto" times both matmuls; past the last, its verdict holds.
+TOKENS = (1, 2, 3, 4, 6, 8, 16, 32)
+SAMPLE = 8  # layers of a shape timed together (their weights out of the fastest caches, as in a pass)
+NEVER = 1 << 62
+
 
 def check_mode(mode) -> None:
     if not (mode is True or mode is False or isinstance(mode, str) and mode == "auto"):
@@ -67,9 +79,42 @@ def available_bytes() -> int | None:
         return None
 
 
+def _shape(m) -> str:
+    return f"{m.out_features}x{m.in_features}"
+
+
+def thresholds(modules) -> dict:
+    """{weight shape "out x in": the fewest tokens from which the prepacked copy is faster than
+    F.linear at every count of TOKENS (NEVER: at none)}, timed on (up to SAMPLE of) the layers of
+    each shape (tuning.py: once per machine; the reference is F.linear)."""
+    groups = {}
+    for m in modules:
+        groups.setdefault(_shape(m), []).append(m)
+
+    def measure():
+        verdict = {}
+        with torch.no_grad():
+            for shape, layers in groups.items():
+                layers = layers[:SAMPLE]
+                packed = [packed_linear.pack(m.weight) for m in layers]
+                wins = []
+                for tokens in TOKENS:
+                    x = torch.randn(tokens, layers[0].in_features)
+                    times = tuning.fastest({
+                        "plain": lambda: [nn.functional.linear(x, m.weight, m.bias) for m in layers],
+                        "packed": lambda: [packed_linear.linear(x, p, m.bias) for m, p in zip(layers, packed)]})
+                    wins.append(tuning.pick(times, "plain") == "packed")
+                # From the first count past which the copy always wins.
+                first = next((i for i in range(len(TOKENS)) if all(wins[i:])), None)
+                verdict[shape] = NEVER if first is None else TOKENS[first]
+        return verdict
+    return tuning.tuned("prepack", sorted(groups), measure)
+
+
 class PackedLinears:
     """See the module docstring. ``model``: the PEFT model; ``state``: its state, whose ``packed``
-    keeps the copies; ``check``: the call's source check (derived.py)."""
+    keeps the copies; ``check``: the call's source check (derived.py). ``copies``: {layer: (its copy,
+    the fewest tokens it runs the copy at)}."""
 
     KIND = "packed"
 
@@ -77,8 +122,13 @@ class PackedLinears:
         check_mode(mode)
         self.mode, self.copies = mode, {}
         modules = [m for m in linears(model) if _eligible(m)] if mode is not False else []
+        if modules and mode == "auto":
+            fewest = thresholds(modules)
+            modules = [m for m in modules if fewest[_shape(m)] < NEVER]
+        else:
+            fewest = {_shape(m): 1 for m in modules}
         kept = state.packed
-        kept.keep_only(modules)  # copies of layers no longer in the model are dropped
+        kept.keep_only(modules)  # copies of layers no longer in the model (or no longer faster) are dropped
         if not modules:
             return
         new = sum(m.weight.numel() * 4 for m in modules if kept.kept(m, self.KIND) is None)
@@ -90,24 +140,27 @@ class PackedLinears:
             return
         check = check or SourceCheck()
         with torch.no_grad():
-            self.copies = {m: kept.get(m, self.KIND, (m.weight,), lambda m=m: packed_linear.pack(m.weight), check)
-                           for m in modules}
+            self.copies = {m: (kept.get(m, self.KIND, (m.weight,), lambda m=m: packed_linear.pack(m.weight), check),
+                               fewest[_shape(m)]) for m in modules}
 
     @contextlib.contextmanager
     def installed(self, context):
         """Route the layers to their copies in every one of ``context``'s passes (routing.py; a
         drafter's own layers take their place in its passes); restore on exit."""
-        with context.router.routing({m: (ALL, self._route(m, packed, context)) for m, packed in self.copies.items()}):
+        routes = {m: (ALL, self._route(m, packed, fewest, context)) for m, (packed, fewest) in self.copies.items()}
+        with context.router.routing(routes):
             yield self
 
     @staticmethod
-    def _route(m, packed, context):
+    def _route(m, packed, fewest: int, context):
         def route(original, x, *args, **kwargs):
             # Compiled passes trace the layer as it is (Inductor packs weights its own way).
             if not args and not kwargs and x.dtype == torch.float32 and not torch.compiler.is_compiling():
                 real = real_tokens(context, x)  # a ragged pass: the real tokens only
                 if real is not None:
-                    return on_real(x, real, lambda t: packed_linear.linear(t, packed, m.bias))
-                return packed_linear.linear(x, packed, m.bias)
+                    if real.numel() >= fewest:
+                        return on_real(x, real, lambda t: packed_linear.linear(t, packed, m.bias))
+                elif x.numel() >= fewest * x.shape[-1]:
+                    return packed_linear.linear(x, packed, m.bias)
             return original(x, *args, **kwargs)
         return route

@@ -1,0 +1,97 @@
+"""Choices made by measurement (tuning.py): a verdict measured once per machine and key, kept on disk for
+the next process, not kept when the machine was busy while it was measured; a candidate replaces the
+reference only where it is faster by the margin; the real measurements of prepack="auto" and
+draft_dtype="auto" on a model give verdicts of their form, and the choices follow them."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_invisiblelora  # noqa: F401
+from hf_invisiblelora import tuning
+from hf_invisiblelora.decode import drafters
+from hf_invisiblelora.model import prepack
+from hf_invisiblelora.model.walk import linears
+from tiny import tiny_peft
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_INVISIBLELORA_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_INVISIBLELORA_TUNING", raising=False)
+    monkeypatch.setattr(tuning, "busy_cpus", lambda: 0.0)
+    tuning.clear()
+    yield tmp_path
+    tuning.clear()
+
+
+def test_a_verdict_is_measured_once_and_kept_for_the_next_process(home):
+    runs = []
+
+    def measure():
+        runs.append(1)
+        return {"fewest": 4}
+    assert tuning.tuned("kind", [[3, 2]], measure) == {"fewest": 4}
+    assert tuning.tuned("kind", [[3, 2]], measure) == {"fewest": 4} and len(runs) == 1
+    tuning.clear()  # a new process: read from the machine's file
+    assert tuning.tuned("kind", [[3, 2]], measure) == {"fewest": 4} and len(runs) == 1
+    [path] = (home / "tuning").iterdir()
+    saved = json.loads(path.read_text())
+    assert saved["machine"] == tuning.machine() and list(saved["verdicts"].values()) == [{"fewest": 4}]
+    assert tuning.tuned("kind", [[3, 3]], measure) == {"fewest": 4} and len(runs) == 2  # another key
+    code = (f"import json, torch; torch.set_num_threads({torch.get_num_threads()}); "  # the same machine key
+            "from hf_invisiblelora import tuning; "
+            "print(json.dumps(tuning.tuned('kind', [[3, 2]], lambda: {'fewest': -1})))")
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "HF_INVISIBLELORA_HOME": str(home)})
+    assert json.loads(out.stdout.splitlines()[-1]) == {"fewest": 4}, out.stderr[-2000:]
+
+
+def test_a_verdict_measured_while_busy_is_not_kept(home, monkeypatch):
+    monkeypatch.setattr(tuning, "busy_cpus", lambda: 1.0)
+    assert tuning.tuned("kind", "k", lambda: {"v": 1}) == {"v": 1}
+    assert not (home / "tuning").exists()
+    tuning.clear()
+    monkeypatch.setattr(tuning, "busy_cpus", lambda: 0.0)
+    assert tuning.tuned("kind", "k", lambda: {"v": 2}) == {"v": 2}  # measured again, now kept
+    assert (home / "tuning").exists()
+
+
+def test_off_keeps_nothing_on_disk(home, monkeypatch):
+    monkeypatch.setenv("HF_INVISIBLELORA_TUNING", "off")
+    assert tuning.tuned("kind", "k", lambda: {"v": 1}) == {"v": 1}
+    assert not (home / "tuning").exists()
+
+
+def test_pick_keeps_the_reference_unless_clearly_faster():
+    assert tuning.pick({"plain": 1.0, "packed": 0.95}, "plain") == "plain"  # within the margin: a noisy tie
+    assert tuning.pick({"plain": 1.0, "packed": 0.8}, "plain") == "packed"
+    assert tuning.pick({"plain": 1.0, "packed": 1.3}, "plain") == "plain"
+    times = tuning.fastest({"a": lambda: None, "b": lambda: sum(range(20000))}, repeats=3)
+    assert set(times) == {"a", "b"} and times["a"] < times["b"]
+
+
+def test_the_real_measurements_give_verdicts_of_their_form(home):
+    model = tiny_peft("llama", strength=0.6, dtype=torch.float32)
+    modules = [m for m in linears(model) if prepack._eligible(m)]
+    fewest = prepack.thresholds(modules)
+    assert set(fewest) == {prepack._shape(m) for m in modules}
+    assert all(v in prepack.TOKENS or v == prepack.NEVER for v in fewest.values())
+    dtypes = drafters.auto_dtypes(model)
+    assert dtypes[0] is None and set(dtypes[1:]) <= set(drafters.AUTO) and len(dtypes) <= 1 + drafters.AUTO_KEEP
+    [path] = (home / "tuning").iterdir()
+    kinds = {name.split(":")[0] for name in json.loads(path.read_text())["verdicts"]}
+    assert kinds == {"prepack", "draft_dtype"}
+
+
+def test_draft_dtypes_follow_the_verdict(home, monkeypatch):
+    monkeypatch.setenv("HF_INVISIBLELORA_TUNING", "off")
+    model = tiny_peft("llama", strength=0.6, dtype=torch.float32)
+    monkeypatch.setattr(drafters, "_faster_dtypes", lambda groups: {"faster": ["int4", "bfloat16"]})
+    assert drafters.auto_dtypes(model) == (None, torch.int4, torch.bfloat16)
+    tuning.clear()
+    monkeypatch.setattr(drafters, "_faster_dtypes", lambda groups: {"faster": []})
+    assert drafters.auto_dtypes(model) == (None,)
