@@ -164,11 +164,13 @@ def test_weight_only_kernels_only_where_their_shapes_hold(monkeypatch, dtype, in
     assert torch.equal(got, expected)
 
 
-def test_auto_draft_dtypes():
-    """draft_dtype="auto" (the default): the full model and its int8 / int4 copies on the CPU where the
-    copies fit in half the memory available; the full model alone where they do not."""
+def test_auto_draft_dtypes(monkeypatch):
+    """draft_dtype="auto" (the default): the full model and the low-precision copies measured faster on
+    this CPU (tuning.py; here int8 and int4, as if measured) where the copies fit in half the memory
+    available; the full model alone where they do not."""
     from hf_invisiblelora.decode import drafters
 
+    measured_faster(monkeypatch, ["int8", "int4"])
     model = tiny_peft("llama", strength=0.6)
     assert drafters.check_dtype("auto", model) == (None, torch.int8, torch.int4)
     with pytest.MonkeyPatch.context() as mp:
@@ -182,11 +184,22 @@ def test_auto_draft_dtypes():
     assert {"s", ("s", "/torch.int8"), ("s", "/torch.int4")} <= set(state_of(model).gate.trials)  # each drafted
 
 
-def test_gate_never_makes_no_draft_copies():
+def measured_faster(monkeypatch, dtypes: list[str]):
+    """draft_dtype="auto" as if ``dtypes`` had been measured faster than full precision (tuning.py)."""
+    from hf_invisiblelora import tuning
+    from hf_invisiblelora.decode import drafters
+
+    monkeypatch.setenv("HF_INVISIBLELORA_TUNING", "off")
+    monkeypatch.setattr(tuning, "_memory", {})
+    monkeypatch.setattr(drafters, "_faster_dtypes", lambda groups: {"faster": dtypes})
+
+
+def test_gate_never_makes_no_draft_copies(monkeypatch):
     """gate="never" runs no draft pass: no int8 / int4 copy of the weights is made for it (generate()
-    and the engine); the default gate makes them."""
+    and the engine); the default gate makes them (where measured faster)."""
     from hf_invisiblelora.engine import Engine, Request
 
+    measured_faster(monkeypatch, ["int8", "int4"])
     model = tiny_peft("llama", strength=0.6)
     ids, mask = prompts(LENGTHS)
     greedy(model, ids, mask, invisible_lora=True, gate="never")
