@@ -2,7 +2,7 @@
 
 For every causal LM in Transformers' auto mapping: a tiny random model with two LoRA adapters
 decodes a mixed, left-padded batch with invisible_lora=True (K = 1 and 3) and is compared with stock
-PEFT (tests/arch_sweep.py: sweep_verdict), once as derived from its default config and
+PEFT (tools/arch_sweep.py: sweep_verdict), once as derived from its default config and
 once with dynamic NTK RoPE crossing its switch point. Writes docs/support.md (or --out).
 
     .venv/bin/python benchmarks/arch_sweep_report.py [--only llama mistral] [--out docs/support.md]
@@ -20,8 +20,8 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
-from common import machine  # also puts tests/ on the import path
-from arch_sweep import causal_lm_architectures, classify, dynamic_rope, sweep_verdict  # noqa: E402 (tests/)
+from common import machine  # also puts tools/ on the import path
+from arch_sweep import causal_lm_architectures, classify, dynamic_rope, sweep_verdict  # noqa: E402 (tools/)
 
 HEADER = """# What is supported
 
@@ -56,7 +56,7 @@ such models and adapters run with plain `generate()`.
 ## Architectures
 
 Every causal LM in Transformers' auto mapping (transformers {version}), as a tiny random model derived
-from its default config (`tests/arch_sweep.py`) with two PEFT LoRA adapters ("s":
+from its default config (`tools/arch_sweep.py`) with two PEFT LoRA adapters ("s":
 all linear layers PEFT can run in a mixed batch, r=4; "b": r=2 on the attention projections). A
 batch of three left-padded prompts with adapters `["s", "__base__", "b"]` decodes 12 tokens greedily
 with `invisible_lora=True` at K = 1 and K = 3, in float64; sliding windows are 4 tokens, attention

@@ -1,6 +1,6 @@
-"""What the benchmarks share: timing, the machine's name, common options, and the tests' tiny
-models (tests/tiny.py, tests/arch_sweep.py: test machinery, not installed with the package, so
-their folder is put on the import path here)."""
+"""What the benchmarks share: timing, the machine's name, common options, and tools/ on the import
+path (tools/tiny.py: the tiny random models and SmolLM2's shape, shared with the tests; not installed
+with the package)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 
 def timed(fn, repeats: int, inner: int = 1) -> tuple[float, float]:

@@ -12,7 +12,7 @@ in units of the dtype's spacing at that logit's magnitude. Stock's own noise at 
 same margin when stock computes that row's prefix alone (a batch of one, no padding) instead of
 in its batch. A divergence is at a near tie if the gap is at most 4 units, or at most the amount
 by which stock's own margin moves between those two computations (stock could flip there too;
-tests/tiny.py: divergences).
+tools/tiny.py: divergences).
 """
 
 from __future__ import annotations

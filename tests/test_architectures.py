@@ -1,5 +1,5 @@
 """Architecture sweep: every causal LM in Transformers' auto mapping, as a tiny random model derived
-from its default config (tests/arch_sweep.py), wrapped with two PEFT LoRA adapters, decodes
+from its default config (tools/arch_sweep.py), wrapped with two PEFT LoRA adapters, decodes
 a mixed, left-padded batch with "__base__" exactly as stock PEFT does (greedy, K = 1 and 3), or is
 refused before decoding with the model unchanged. Sliding windows (4) are shorter than the output
 (12 tokens); chunked attention (8) is crossed. Then every architecture whose rotary embedding
