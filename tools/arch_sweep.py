@@ -1,5 +1,5 @@
 """The architecture sweep: a tiny random model for every causal-LM architecture in Transformers
-(tests/test_architectures.py runs it; benchmarks/arch_sweep_report.py writes docs/support.md from it;
+(tests/test_architectures.py runs it; tools/arch_sweep_report.py writes docs/support.md from it;
 not installed with the package). ``tiny_config`` derives it from the architecture's default config by
 rules on attribute names (hidden sizes, layer counts, heads, experts, ...), so new architectures are
 covered without a hand-written table; ``sweep_case`` builds it in float64 and wraps it with two PEFT
