@@ -238,7 +238,7 @@ def summarize(configs, rates, first, last, errors, prompt_len, eos):
 
 def check_tokens(model, rows, enc, new_tokens, last, res):
     """Per configuration: rows identical to stock, and whether every divergence is at a near tie of
-    stock's logits (tests/tiny.py: divergences). In float32 / float64 the tokens are expected to be
+    stock's logits (tools/tiny.py: divergences). In float32 / float64 the tokens are expected to be
     identical; in bfloat16 / float16 identity is informational (numerics differ) and the near-tie
     check is the criterion."""
     from tiny import all_near_ties, divergences

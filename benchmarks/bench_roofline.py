@@ -19,6 +19,7 @@ default where it applies; "prepacked" rows, interleaved with the others: the bef
 one run); --no-prepack leaves them out.
 
     python -P benchmarks/bench_roofline.py --batches 1 4 8 16 --repeats 7
+    python -P benchmarks/bench_roofline.py --smoke --out /tmp/roofline.json   # tiny random model, seconds (tests)
 """
 
 from __future__ import annotations
@@ -87,9 +88,19 @@ def main(argv=None):
     p.add_argument("--no-prepack", action="store_true",
                    help="leave out the passes on prepacked weights (prepack.py; each fp32 pass is also timed on them)")
     p.add_argument("--out", default="benchmarks/results/roofline.json")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny random model (tools/tiny.py), batch 2, one repeat, a small bandwidth probe (for tests)")
     args = p.parse_args(argv)
+    if args.smoke:
+        from tiny import tiny_peft
+
+        args.batches, args.repeats, args.threads = [2], 1, 1
+        model, names = tiny_peft(dtype=torch.float32), ["s", "b", "c", "d"]
+        draft_vocab = list(range(32))
+    else:
+        model, tok, names = zoo.load_zoo(args.model)
+        draft_vocab = zoo.corpus_vocabulary(args.model, tok, args.draft_vocab)
     torch.set_num_threads(args.threads)
-    model, tok, names = zoo.load_zoo(args.model)
     inner = model.get_base_model()
     config = inner.config.get_text_config()
     head = inner.get_output_embeddings()
@@ -98,12 +109,11 @@ def main(argv=None):
                if type(m) is nn.Linear or hasattr(m, "get_base_layer") and type(m.get_base_layer()) is nn.Linear]
     linear_w = sum(m.weight.numel() for m in set(linears) if m is not head)
     head_w = head.weight.numel()
-    draft_vocab = zoo.corpus_vocabulary(args.model, tok, args.draft_vocab)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
-    bw = bandwidth()
-    print(f"{args.model}; CPU {machine()}, {torch.get_num_threads()} threads; read bandwidth {bw / 1e9:.1f} GB/s; "
-          f"{CONTEXT}-token cache; ms per pass, medians of {args.repeats}")
+    bw = bandwidth(gib=0.125, repeats=2) if args.smoke else bandwidth()
+    print(f"{'tiny (smoke)' if args.smoke else args.model}; CPU {machine()}, {torch.get_num_threads()} threads; "
+          f"read bandwidth {bw / 1e9:.1f} GB/s; {CONTEXT}-token cache; ms per pass, medians of {args.repeats}")
     print("| batch | adapters | pass | MB read | ms | matmuls ms | attention ms | rest ms | bound ms | x bound |")
     print("|---" * 10 + "|")
     results = []

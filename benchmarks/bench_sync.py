@@ -3,7 +3,7 @@
 Every ``generate(invisible_lora=True)`` call compares the weights and scaling of the adapters its
 rows use with the bank's stacks, exactly (so edits through ``.data``, which no version counter
 records, are seen too); an adapter no call uses is compared when one does.
-Measured on SmolLM2-135M's shape with 16 random adapters (ranks 8-64; ``synthetic_zoo`` of tests/tiny.py) and on the zoo's four demo adapters, next to one generate call for scale.
+Measured on SmolLM2-135M's shape with 16 random adapters (ranks 8-64; ``synthetic_zoo`` of tools/tiny.py) and on the zoo's four demo adapters, next to one generate call for scale.
 
     python benchmarks/bench_sync.py [--repeats 7]
 """

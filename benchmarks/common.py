@@ -1,12 +1,10 @@
-"""What the benchmarks share: timing, the machine's name, common options, and the tests' tiny
-models (tests/tiny.py, tests/arch_sweep.py: test machinery, not installed with the package, so
-their folder is put on the import path here)."""
+"""What the benchmarks share: timing, the machine's name (tools/machine.py), common options, and
+tools/ on the import path (tools/tiny.py: the tiny random models and SmolLM2's shape, shared with the
+tests; not installed with the package)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import platform
 import statistics
 import sys
 import time
@@ -14,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from machine import machine  # noqa: E402,F401 (the benchmarks take it from here)
 
 
 def timed(fn, repeats: int, inner: int = 1) -> tuple[float, float]:
@@ -52,22 +51,6 @@ def sync() -> None:
     """Wait for queued GPU work before reading a clock (generate returns with work still queued)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def machine() -> str:
-    """The CPU a benchmark ran on, as benchmark tables report it: model name, cores, and the
-    instruction sets that decide fp32/bf16 matmul speed (the CPU changes between sessions)."""
-    name, flags = platform.machine(), set()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
-        for line in info:
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name}, {os.cpu_count()} CPUs" + (f", {' '.join(isa)}" if isa else "")
 
 
 def zoo_continuations_args(p, new_tokens: int) -> None:

@@ -1,11 +1,11 @@
 """Architecture sweep: every causal LM in Transformers' auto mapping, as a tiny random model derived
-from its default config (tests/arch_sweep.py), wrapped with two PEFT LoRA adapters, decodes
+from its default config (tools/arch_sweep.py), wrapped with two PEFT LoRA adapters, decodes
 a mixed, left-padded batch with "__base__" exactly as stock PEFT does (greedy, K = 1 and 3), or is
 refused before decoding with the model unchanged. Sliding windows (4) are shorter than the output
 (12 tokens); chunked attention (8) is crossed. Then every architecture whose rotary embedding
 can be made length-dependent again with dynamic NTK RoPE whose switch point the output crosses.
 
-Each verdict is pinned to docs/support.md's table (benchmarks/arch_sweep_report.py writes it): an
+Each verdict is pinned to docs/support.md's table (tools/arch_sweep_report.py writes it): an
 architecture served there that comes out refused fails here, as does a refused one that comes
 out served (the table must say so). Skips (a missing optional dependency, a Transformers bug) stay
 skips. Architectures of a Transformers release newer than the table's (setup.cfg takes a range)
@@ -38,7 +38,7 @@ def check(arch, outcome, reason, column):
         return
     expected = DOCUMENTED[arch][column]
     assert outcome == expected, (f"{arch}: {outcome} ({reason}), docs/support.md says {expected}: a regression, or "
-                                 "the table is stale (benchmarks/arch_sweep_report.py)")
+                                 "the table is stale (tools/arch_sweep_report.py)")
 
 
 def test_the_table_lists_the_architectures_it_was_made_for():

@@ -1,4 +1,5 @@
-"""Smoke run of the decoding benchmark on a tiny random model."""
+"""The benchmarks' --smoke runs on tiny random models (seconds each), as a user runs them: a subprocess
+each, its JSON checked; no benchmark module is imported here."""
 
 import json
 import subprocess
@@ -76,25 +77,20 @@ def test_memory_benchmark_smoke(tmp_path):
         assert len(r["rss_mb"]) == r["samples"] and r["max_growth_mb"] >= 0 and r["rss_at_end_mb"] > 0
 
 
-def test_roofline_parts(tmp_path):
-    """bench_roofline.py's measurements on their own: a matmul's profiled time is mostly in the matmul op,
-    an elementwise op's is not; the read bandwidth is a plausible number (1-1000 GB/s)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    import torch
-    from bench_roofline import bandwidth, split
-
-    x, w = torch.randn(64, 512), torch.randn(512, 512)
-    assert split(lambda: x @ w, 3)["matmuls"] > 0.5
-    assert split(lambda: (x * 2).exp(), 3)["matmuls"] == 0
-    assert 1e9 < bandwidth(gib=0.125, repeats=2) < 1e12
-
-
-def test_llama_cpp_scale_makes_its_lora_scaling_peft_s(tmp_path):
-    """llama.cpp scales a LoRA by alpha / r; PEFT's rsLoRA by alpha / sqrt(r): the request scale sqrt(r) makes them one."""
-    sys.path.insert(0, str(BENCHMARKS))
-    from bench_llama_cpp import peft_scale
-
-    (tmp_path / "adapter_config.json").write_text(json.dumps(dict(r=16, lora_alpha=32, use_rslora=True)))
-    assert peft_scale(tmp_path) == 4.0
-    (tmp_path / "adapter_config.json").write_text(json.dumps(dict(r=16, lora_alpha=32, use_rslora=False)))
-    assert peft_scale(tmp_path) == 1.0
+def test_roofline_benchmark_smoke(tmp_path):
+    """Every pass of a cycle timed and split by one profiled run into weight matmuls, attention and the
+    rest; the bytes each reads (fewer for the cheaper drafters); the machine's read bandwidth (tiny model)."""
+    out = tmp_path / "roofline.json"
+    subprocess.run([sys.executable, str(BENCHMARKS / "bench_roofline.py"), "--smoke", "--out", str(out)],
+                   check=True, capture_output=True, timeout=600)
+    res = json.loads(out.read_text())
+    assert res["command"].startswith("python ") and "--smoke" in res["command"] and res["cpu"]
+    assert 1e9 < res["bandwidth"] < 1e12
+    passes = {r["name"]: r for r in res["results"]}
+    assert {"base step", "draft, full", "draft, vocab", "draft, bf16", "draft, int8", "draft, int4", "LoRA-on step",
+            "verify 3", "LoRA-on step, prepacked"} <= set(passes)
+    for r in passes.values():
+        assert r["ms"] > 0 and r["bound_ms"] > 0 and r["matmuls_ms"] > 0 and r["attention_ms"] > 0 and r["rest_ms"] >= 0
+    mb = {name: passes[f"draft, {name}"]["mb"] for name in ("full", "vocab", "bf16", "int8", "int4")}
+    assert mb["full"] > mb["vocab"] and mb["full"] > mb["bf16"] > mb["int8"] > mb["int4"]
+    assert passes["LoRA-on step"]["mb"] > passes["base step"]["mb"]  # the adapters' weights too

@@ -1,5 +1,5 @@
 """PEFT's own decoder tests with invisible_lora=True next to every generate() call
-(benchmarks/peft_suite.py). Opt-in: PEFT_SUITE=1 (it fetches the peft sdist from PyPI once, unless
+(tests/peft_suite.py). Opt-in: PEFT_SUITE=1 (it fetches the peft sdist from PyPI once, unless
 PEFT_SUITE_TESTS points at PEFT's tests, and takes a few minutes per dtype).
 
     PEFT_SUITE=1 .venv/bin/python -P -m pytest -q tests/test_peft_suite.py
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-RUNNER = Path(__file__).resolve().parents[1] / "benchmarks" / "peft_suite.py"
+RUNNER = Path(__file__).resolve().parent / "peft_suite.py"
 FAILING = ("MISMATCH", "ERROR", "CHANGED")
 
 pytestmark = pytest.mark.skipif(os.environ.get("PEFT_SUITE") != "1",

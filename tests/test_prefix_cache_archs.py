@@ -1,5 +1,5 @@
 """Prefix caching across architectures: every causal LM docs/support.md serves ("identical"), as the
-architecture sweep's tiny model with its two adapters (tests/arch_sweep.py), served by the engine
+architecture sweep's tiny model with its two adapters (tools/arch_sweep.py), served by the engine
 with prefix caching on: the same system prompt under an adapter twice (the second takes the first's
 blocks), under the other adapter and the base model; every answer equals stock PEFT's generate() of
 that prompt alone. An architecture the engine refuses is skipped with its reason."""

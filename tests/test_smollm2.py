@@ -7,7 +7,7 @@ from the GGUF file of a PyPI wheel: ``hf_invisiblelora.zoo.assets``), against st
   cache, as stock continues its own;
 - float32, the torchao weight-only int8 / int4 base quantized on loading (transformers'
   ``TorchAoConfig``): stock PEFT's mixed batch on the same quantized model, divergences only at
-  near ties of stock's logits (tests/tiny.py).
+  near ties of stock's logits (tools/tiny.py).
 
 The adapters are random (seeded), so no training runs here; the zoo's trained DoRA and
 modules_to_save adapters are shown by the demo (docs/zoo.md). Skipped only where the base model

@@ -27,7 +27,7 @@ The hub models of the suite are replaced by tiny random local models of the same
 ``--peft-tests`` is given and the cache has none. Packages PEFT's test modules import that are not
 installed (datasets, diffusers, parameterized) are stubbed while they are imported.
 
-    python -P benchmarks/peft_suite.py [--peft-tests DIR] [--dtype float32|float64] [--json OUT]
+    python -P tests/peft_suite.py [--peft-tests DIR] [--dtype float32|float64] [--json OUT]
 
 Exits 1 on any MISMATCH, ERROR or CHANGED (``--strict-ties``: also on near ties), 2 when the suite
 cannot be run.

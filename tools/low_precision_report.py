@@ -2,7 +2,7 @@
 default LoRA path (the adapter bank) and with lora_backend="peft", and whether every divergence
 is at a near tie of stock's own logits.
 
-    python benchmarks/low_precision.py [--dtype bfloat16] [--prompts-per-adapter 16] [--new-tokens 32]
+    python tools/low_precision_report.py [--dtype bfloat16] [--prompts-per-adapter 16] [--new-tokens 32]
 
 SmolLM2-135M-Instruct loaded in the given dtype with the demo's four zoo adapters (PEFT keeps
 them in float32), held-out prompts, mixed batches of 16 rows, greedy. A divergence is the first
@@ -12,7 +12,7 @@ in units of the dtype's spacing at that logit's magnitude. Stock's own noise at 
 same margin when stock computes that row's prefix alone (a batch of one, no padding) instead of
 in its batch. A divergence is at a near tie if the gap is at most 4 units, or at most the amount
 by which stock's own margin moves between those two computations (stock could flip there too;
-tests/tiny.py: divergences).
+tools/tiny.py: divergences).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import torch
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora import zoo
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
-from common import machine
-from hf_invisiblelora.zoo.demo import DEMO_ADAPTERS
-from tiny import all_near_ties, divergences
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # machine.py, tiny.py, under python -P too
+from hf_invisiblelora.zoo.demo import DEMO_ADAPTERS  # noqa: E402
+from machine import machine  # noqa: E402
+from tiny import all_near_ties, divergences  # noqa: E402
 
 
 def main(argv=None):
@@ -40,7 +40,7 @@ def main(argv=None):
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--out", default="benchmarks/results/low_precision.json")
+    parser.add_argument("--out", default="tools/results/low_precision.json")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -75,7 +75,7 @@ def main(argv=None):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(args=vars(args), cpu=machine(), summary=summary), indent=1))
-    print("command: python benchmarks/low_precision.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    print("command: python tools/low_precision_report.py " + " ".join(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

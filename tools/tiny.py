@@ -1,5 +1,6 @@
-"""Tiny random models, adapters, prompts and a tokenizer for tests and benchmarks, built in memory
-(no downloads), like ``transformers.testing_utils``; test machinery, not installed with the package.
+"""Tiny random models, adapters, prompts and a tokenizer for tests, benchmarks and tools, built in
+memory (no downloads), like ``transformers.testing_utils``; not installed with the package (pytest and
+benchmarks/common.py put tools/ on the import path).
 
 - ``tiny_peft``: tiny Llama / Qwen2 / Gemma 3 models with LoRA adapters of different ranks,
   targets, alpha and rslora; ``prompts``: left-padded random prompts; ``tiny_tokenizer``.

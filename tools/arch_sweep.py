@@ -1,10 +1,11 @@
 """The architecture sweep: a tiny random model for every causal-LM architecture in Transformers
-(test machinery, not installed with the package). ``tiny_config`` derives it from the
-architecture's default config by rules on attribute names (hidden sizes, layer counts, heads,
-experts, ...), so new architectures are covered without a hand-written table; ``sweep_case`` builds
-it in float64 and wraps it with two PEFT LoRA adapters ("s": all-linear r=4, "b": r=2 on
-attention-like projections); ``sweep_verdict`` compares ``invisible_lora=True`` with stock.
-Per-type overrides exist only where a generic rule cannot work; each says why.
+(tests/test_architectures.py runs it; tools/arch_sweep_report.py writes docs/support.md from it;
+not installed with the package). ``tiny_config`` derives it from the architecture's default config by
+rules on attribute names (hidden sizes, layer counts, heads, experts, ...), so new architectures are
+covered without a hand-written table; ``sweep_case`` builds it in float64 and wraps it with two PEFT
+LoRA adapters ("s": all-linear r=4, "b": r=2 on attention-like projections); ``sweep_verdict``
+compares ``invisible_lora=True`` with stock. Per-type overrides exist only where a generic rule
+cannot work; each says why.
 """
 
 from __future__ import annotations

