@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
-from common import machine  # noqa: E402
+from common import busy, machine  # noqa: E402
 
 CHILD = r"""
 import json, sys, time, torch
@@ -46,26 +45,15 @@ print(json.dumps(dict(threads=line, rates=rates)))
 """
 
 
-def spin():
-    while True:
-        pass
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--busy", type=int, default=1, help="processes spinning on the CPUs meanwhile")
     args = p.parse_args(argv)
-    busy = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.busy)]
-    for proc in busy:
-        proc.start()
-    try:
-        results = {}
+    results = {}
+    with busy(args.busy):
         for way in ("set_threads", "default"):
             out = subprocess.run([sys.executable, "-P", "-c", CHILD, way], capture_output=True, text=True, check=True)
             results[way] = json.loads(out.stdout.strip().splitlines()[-1])
-    finally:
-        for proc in busy:
-            proc.terminate()
     print(f"# {machine()}; {args.busy} other process(es) spinning; the README's Usage call, tokens/s")
     for way, r in results.items():
         print(f"{way:>12}: {statistics.median(r['rates'][1:]):.1f} tokens/s (first call {r['rates'][0]:.1f}; "

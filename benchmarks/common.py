@@ -5,6 +5,7 @@ tests; not installed with the package)."""
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import statistics
 import sys
 import time
@@ -45,6 +46,26 @@ def interleaved(steps: dict, repeats: int, before=None) -> tuple[dict, dict]:
                 fn()
                 times[name].append(time.perf_counter() - t)
     return {k: statistics.median(v[1:]) for k, v in times.items()}, {k: v[0] for k, v in times.items()}
+
+
+def _spin():
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def busy(processes: int):
+    """``processes`` other processes spinning on the CPUs for the block (another user's job on the
+    machine: each keeps one CPU busy while it holds one)."""
+    spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(processes)]
+    for proc in spinners:
+        proc.start()
+    try:
+        yield
+    finally:
+        for proc in spinners:
+            proc.terminate()
+            proc.join()
 
 
 def sync() -> None:

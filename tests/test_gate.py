@@ -25,11 +25,11 @@ ROWS = ["x", "y", "x", "__base__"]
 
 def gate_with(costs_by_q, draft_cost, acceptance, rows=ROWS, mode="auto"):
     mem = GateMemory()
-    shape = (len(rows), len(set(rows)), "eager")
+    shape = (len(rows), len(set(rows)), "eager", torch.get_num_threads())
     for q, t in costs_by_q.items():
         mem.costs[("verify", shape, q)] = t
     if draft_cost is not None:
-        mem.costs[("draft", (len(rows), "eager"))] = draft_cost
+        mem.costs[("draft", (len(rows), "eager", torch.get_num_threads()))] = draft_cost
     for name, a in acceptance.items():  # strong evidence, far above the prior's weight
         mem.accepted[name], mem.trials[name] = 1000 * a, 1000.0
     gate = Gate(mode, K, mem, "__base__")
@@ -100,10 +100,10 @@ def test_an_engine_weighs_its_rows_tokens_a_call_its_last_row():
     rows = [f"a{i % 4}" for i in range(8)]
     costs = {1: 0.1, 2: 0.112, 3: 0.124, 4: 0.136, 5: 0.148}
     mem = GateMemory()
-    shape = (8, 4, "eager")
+    shape = (8, 4, "eager", torch.get_num_threads())
     for q, t in costs.items():
         mem.costs[("verify", shape, q)] = t
-    mem.costs[("draft", (8, "eager/lookup"))] = 0.0005
+    mem.costs[("draft", (8, "eager/lookup", torch.get_num_threads()))] = 0.0005
     for a in set(rows):
         mem.accepted[(a, "/lookup/3")], mem.trials[(a, "/lookup/3")] = 870.0, 1000.0
     labels = [["3", None] * 4]
@@ -197,8 +197,8 @@ def test_what_one_adapter_count_measured_serves_another():
     rows2, rows3 = ["x", "y", "x", "y"], ["x", "y", "z", "x"]
     mem = GateMemory()
     for q, t in {1: 0.2, 2: 0.3, 3: 0.4}.items():
-        mem.costs[("verify", (4, 2, "eager"), q)] = t
-    mem.costs[("draft", (4, "eager"))] = 0.2
+        mem.costs[("verify", (4, 2, "eager", torch.get_num_threads()), q)] = t
+    mem.costs[("draft", (4, "eager", torch.get_num_threads()))] = 0.2
     g = Gate("auto", K, mem, "__base__")
     g.set_rows(rows3)
     assert g.choose([50] * 4) == 0  # a plain step: this shape's first measurement
@@ -347,7 +347,8 @@ def test_picks_among_drafters_by_cost_and_acceptance():
                              ("x", "/int4"): 1000 * a_cheap, ("y", "/int4"): 1000 * a_cheap})
         mem.trials.update({key: 1000.0 for key in mem.accepted})
         assert g.choose([50, 50]) > 0 and g.pick == expect
-    mem.costs[("draft", (2, "eager"))] = mem.costs[("draft", (2, "eager/int4"))] = 1.0  # both far too dear
+    mem.costs[("draft", (2, "eager", torch.get_num_threads()))] = \
+        mem.costs[("draft", (2, "eager/int4", torch.get_num_threads()))] = 1.0  # both far too dear
     assert g.choose([50, 50]) == 0
 
 

@@ -29,3 +29,41 @@ def test_free_cpus_leaves_what_other_work_holds(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     free, cpus, busy = threads.free_cpus()
     assert (free, cpus, busy) == (1, 2, 1.5)  # 1.5 of 2 CPUs busy: half a CPU left, and never fewer than one
+
+
+def test_contention_follows_the_cpus_other_work_leaves(monkeypatch):
+    """threads.Contention: between passes, torch's thread count is the CPUs other processes left free
+    over the last window (the machine's busy time less this process's own), at most the caller's and at
+    least one; restored at the end of the call."""
+    clock = {"wall": 100.0, "busy": 0.0, "own": 0.0}
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(threads.os, "sysconf", lambda name: 100)
+    monkeypatch.setattr(threads, "_busy_jiffies", lambda: (int(clock["busy"] * 100), 0))
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(threads.time, "process_time", lambda: clock["own"])
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        watch = threads.Contention()
+
+        def second(others: float, own: float):  # one second of decoding: other processes use ``others`` CPUs
+            clock["wall"] += 1
+            clock["busy"] += others + own
+            clock["own"] += own
+            watch.follow()
+            return torch.get_num_threads()
+        assert second(0.0, 4.0) == 4
+        assert second(1.0, 3.0) == 3  # one CPU busy with other work
+        assert second(2.6, 1.4) == 1
+        assert second(3.9, 0.1) == 1  # at least one
+        assert second(0.2, 3.8) == 4  # free again: the caller's count, not more
+        clock["wall"] += 0.1  # within the window: no look
+        clock["busy"] += 4
+        watch.follow()
+        assert torch.get_num_threads() == 4
+        second(3.0, 1.0)
+        watch.restore()
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)

@@ -208,6 +208,7 @@ class Decoder:
         self.time_limits = time_limits
         self.names = [None] * capacity  # each row's adapter
         self.timer = PassTimer(self.batch.tokens.device)
+        self.threads = None  # threads.Contention while installed on the CPU (session.py)
         self.cycles, self.k, self.k_per_cycle, self.history = 0, 0, [], history
         self.drafter_per_cycle, self.draft_passes = [], 0
         self.drafted, self.accepted, self.row_cycles = [0] * capacity, [0] * capacity, [0] * capacity
@@ -283,6 +284,8 @@ class Decoder:
         prefill mixes prompt and decode tokens); its last chunk gives each of them its first token,
         as ``prefill`` does, and the list spans them too."""
         batch = self.batch
+        if self.threads is not None:
+            self.threads.follow()
         hi, active = self.span or batch.hi, batch.active
         self.gate.set_rows(self.names[:hi])
         # What each drafter can offer each row this cycle (prompt lookup: how long a match), for the gate.

@@ -51,6 +51,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 4.0  # ~70-80% measured on real small-model adapters
 DECAY = 0.98  # per observed cycle: recent acceptance counts more (adapters drift with the domain)
 COST_WINDOW = 8  # a pass's cost: the fastest of its last 8 timings
@@ -172,10 +174,12 @@ class Gate:
         self.names = adapter_names
         # Acceptance is learned per adapter and drafter (and per class of a drafter's proposals: ``key``).
         self.keys = [[(a, d) if d else a for a in adapter_names] for d in self.drafters]
-        # What a pass's cost depends on: rows, distinct adapters, eager or compiled.
-        self.shape = (len(adapter_names), len(set(a for a in adapter_names if a is not None)), self.passes)
+        # What a pass's cost depends on: rows, distinct adapters, eager or compiled, torch's threads (fewer
+        # while other work holds CPUs: threads.Contention; costs timed with more do not hold then).
+        threads = torch.get_num_threads()
+        self.shape = (len(adapter_names), len(set(a for a in adapter_names if a is not None)), self.passes, threads)
         # A draft pass runs LoRA off: its cost depends on the rows and the drafter, not the adapters.
-        self.draft_shapes = [(len(adapter_names), self.passes + d) for d in self.drafters]
+        self.draft_shapes = [(len(adapter_names), self.passes + d, threads) for d in self.drafters]
         self.is_base = [a == self.base for a in adapter_names]
 
     def _key(self, j: int, i: int, labels):
@@ -257,7 +261,9 @@ class Gate:
             return timed
         curves = {}
         for key, v in c.items():
-            if key[0] == "verify" and key[1][0] == self.shape[0] and key[1][2] == self.passes and key[1] != self.shape:
+            # the same rows, passes and threads; another adapter count
+            if key[0] == "verify" and (key[1][0], *key[1][2:]) == (self.shape[0], *self.shape[2:]) \
+                    and key[1] != self.shape:
                 curves.setdefault(key[1], []).append((key[2], v))
         curves = [sorted(v) for v in curves.values() if len(v) > 1 and min(v)[0] == 1]
         if not curves:

@@ -10,7 +10,8 @@ engine (engine.py):
 It builds the LoRA switch (the adapter bank, or PEFT's own layers: ``lora_backend``), the forward
 (eager, or the compiled passes of a bucket) with its pass context, the drafter, the gate, the
 per-slot rotary embeddings of length-dependent RoPE, and the Decoder. ``installed()`` routes
-them into the model's layers for the call's passes and puts everything back after, also on errors.
+them into the model's layers for the call's passes (on the CPU, with torch's threads following the
+CPUs other work leaves free: threads.Contention) and puts everything back after, also on errors.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..model.forward import CompiledForward, EagerForward
 from ..model.prepack import PackedLinears
 from ..model.rotary import StepRotary
 from ..model.walk import BASE
+from ..threads import Contention
 from .decoder import Decoder
 from .drafters import BaseModelDrafter
 from .gate import Gate, GateMemory
@@ -84,6 +86,9 @@ class Session:
                 stack.enter_context(self.packed.installed(context))
             for drafter in self.drafters:
                 stack.enter_context(drafter.installed(context, self.check))
+            if self.inner.device.type == "cpu":  # torch's threads follow the CPUs other work leaves (threads.py)
+                self.decoder.threads = Contention()
+                stack.callback(self.decoder.threads.restore)
             yield self.decoder
 
     def renew_lora(self, model, lora_backend: str) -> None:

@@ -46,6 +46,8 @@ def forward(bank, m, layer, x, *args, **kwargs):
     meta = bank.meta_for(p.adapters, x2.shape[0], None if real is None else p.lens)
     if meta is None or meta.no_lora:
         return out
+    if not embedding and not meta.static and not any(layer.ranks[s] for s in meta.active_slots):
+        return out  # none of the pass's adapters has weights here (a model holds more adapters than a pass uses)
     if real is not None:  # the delta of the real tokens, then back in their places
         flat = out[real]
         _add_delta(bank, m, layer, x, x2, flat, meta, embedding)

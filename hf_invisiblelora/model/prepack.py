@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ from .walk import linears
 logger = logging.getLogger("hf_invisiblelora")
 # Tokens per layer at which "auto" times both matmuls; past the last, its verdict holds.
 TOKENS = (1, 2, 3, 4, 6, 8, 16, 32)
-SAMPLE = 8  # layers of a shape timed together (their weights out of the fastest caches, as in a pass)
+SAMPLE_EVERY = 3  # the layers timed: every third in the model's order
 NEVER = 1 << 62
 
 
@@ -85,30 +86,44 @@ def _shape(m) -> str:
 
 def thresholds(modules) -> dict:
     """{weight shape "out x in": the fewest tokens from which the prepacked copy is faster than
-    F.linear at every count of TOKENS (NEVER: at none)}, timed on (up to SAMPLE of) the layers of
-    each shape (tuning.py: once per machine; the reference is F.linear)."""
-    groups = {}
-    for m in modules:
-        groups.setdefault(_shape(m), []).append(m)
+    F.linear at every count of TOKENS (NEVER: at none)}, timed on a sample of the layers in the
+    model's order (every layer of SAMPLE_EVERY, so that the weights stream through the caches as in a
+    pass; each call timed, summed per shape, the fastest of the repeats; tuning.py: once per machine,
+    the reference F.linear)."""
+    shapes = sorted({_shape(m) for m in modules})
+    sample = modules[::SAMPLE_EVERY] + [m for m in modules[-1:] if m not in modules[::SAMPLE_EVERY]]
+    sample += [next(m for m in modules if _shape(m) == shape) for shape in shapes
+               if all(_shape(m) != shape for m in sample)]  # every shape at least once
 
     def measure():
-        verdict = {}
         with torch.no_grad():
-            for shape, layers in groups.items():
-                layers = layers[:SAMPLE]
-                packed = [packed_linear.pack(m.weight) for m in layers]
-                wins = []
-                for tokens in TOKENS:
-                    x = torch.randn(tokens, layers[0].in_features)
-                    times = tuning.fastest({
-                        "plain": lambda: [nn.functional.linear(x, m.weight, m.bias) for m in layers],
-                        "packed": lambda: [packed_linear.linear(x, p, m.bias) for m, p in zip(layers, packed)]})
-                    wins.append(tuning.pick(times, "plain") == "packed")
-                # From the first count past which the copy always wins.
-                first = next((i for i in range(len(TOKENS)) if all(wins[i:])), None)
-                verdict[shape] = NEVER if first is None else TOKENS[first]
+            packed = {m: packed_linear.pack(m.weight) for m in sample}
+            ways = {"plain": lambda m, x: nn.functional.linear(x, m.weight, m.bias),
+                    "packed": lambda m, x: packed_linear.linear(x, packed[m], m.bias)}
+            wins = {shape: [] for shape in shapes}
+            for tokens in TOKENS:
+                xs = {m.in_features: torch.randn(tokens, m.in_features) for m in sample}
+                best = {(way, shape): float("inf") for way in ways for shape in shapes}
+                for i in range(tuning.REPEATS + 1):  # interleaved passes; the first untimed
+                    for way in (list(ways) if i % 2 else list(ways)[::-1]):
+                        spent = dict.fromkeys(shapes, 0.0)
+                        for m in sample:
+                            start = time.perf_counter()
+                            ways[way](m, xs[m.in_features])
+                            spent[_shape(m)] += time.perf_counter() - start
+                        if i:
+                            for shape in shapes:
+                                best[way, shape] = min(best[way, shape], spent[shape])
+                for shape in shapes:
+                    times = {way: best[way, shape] for way in ways}
+                    wins[shape].append(tuning.pick(times, "plain") == "packed")
+        # From the first count past which the copy always wins.
+        verdict = {}
+        for shape, won in wins.items():
+            first = next((i for i in range(len(TOKENS)) if all(won[i:])), None)
+            verdict[shape] = NEVER if first is None else TOKENS[first]
         return verdict
-    return tuning.tuned("prepack", sorted(groups), measure)
+    return tuning.tuned("prepack", shapes, measure)
 
 
 class PackedLinears:
