@@ -6,7 +6,7 @@
    own tokens, the linear layers on the real ones only; rectangular elsewhere) against a plain
    1-token step of the rows plus a prefill pass of the joining row alone.
 2. The engine at saturation: --requests requests at once (prompts of 10-50 tokens, max_tokens 8-64,
-   greedy, the zoo's adapters mixed) on one engine, with ``FOLD_SLOTS`` (engine.py: the largest
+   greedy, the zoo's adapters mixed) on one engine, with ``FOLD_SLOTS`` (engine/scheduler.py: the largest
    rows x slots a folded pass may have) at each of --fold-slots, interleaved repeats; tokens/s.
 
     python -P benchmarks/bench_fold.py
@@ -29,7 +29,7 @@ from common import interleaved, machine
 
 from hf_invisiblelora import zoo
 from hf_invisiblelora.engine import Engine, Request
-from hf_invisiblelora.engine import engine as engine_module
+from hf_invisiblelora.engine import scheduler
 from hf_invisiblelora.model.state import state_of
 
 ADAPTERS = ["humaneval", "kjv", "python_code", "shakespeare"]
@@ -65,20 +65,20 @@ def saturation(model, tok, names, fold_slots: list[int], requests: int, repeats:
         ids = tok(zoo.adapter_prompts("smollm2", tok, name, 1, 50, seed=i)[0]).input_ids[: rng.randint(10, 50)]
         jobs.append((ids, name, rng.randint(8, 64)))
     rates = {f: [] for f in fold_slots}
-    saved = engine_module.FOLD_SLOTS
+    saved = scheduler.FOLD_SLOTS
     engine = Engine(model, max_batch=8).start()
     try:
         engine.submit(Request(jobs[0][0], adapter=names[0], max_tokens=8)).result(600)  # warm-up
         for rep in range(repeats):
             for f in fold_slots[rep % len(fold_slots):] + fold_slots[: rep % len(fold_slots)]:
-                engine_module.FOLD_SLOTS = f
+                scheduler.FOLD_SLOTS = f
                 t = time.perf_counter()
                 handles = [engine.submit(Request(ids, adapter=a, max_tokens=m)) for ids, a, m in jobs]
                 n = sum(len(h.result(600)) for h in handles)
                 rates[f].append(n / (time.perf_counter() - t))
     finally:
         engine.stop()
-        engine_module.FOLD_SLOTS = saved
+        scheduler.FOLD_SLOTS = saved
     return rates
 
 

@@ -1,7 +1,7 @@
 """How often prompt lookup's proposals are right, by the length of the match they continue.
 
 For each adapter, its greedy continuations of held-out prompts (LoRA on, stock generate()); at every
-position t of a continuation, prompt lookup (hf_invisiblelora/decode/drafters.py: ``match`` and
+position t of a continuation, prompt lookup (hf_invisiblelora/decode/prompt_lookup.py: ``match`` and
 ``lookup`` over the committed tokens, prompt + continuation up to t) proposes k tokens, and a cycle
 would keep the proposals up to the first that differs from the continuation, plus the target's own
 token. Reported per shortest n-gram length allowed (1, 2, 3) and k: the tokens a cycle commits per
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, zoo_continuations_args
 
-from hf_invisiblelora.decode.drafters import LOOKUP_NGRAMS, lookup, match
+from hf_invisiblelora.decode.prompt_lookup import LOOKUP_NGRAMS, lookup, match
 
 
 def continuations(model, tok, zoo_name: str, names, prompts: int, prompt_tokens: int, new_tokens: int):

@@ -49,7 +49,7 @@ import hf_invisiblelora  # noqa: F401  (generate(invisible_lora=True))
 from hf_invisiblelora.engine import PREFILL_CHUNK, Engine, Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, under python -P too
-from common import machine, sync
+from common import busy, machine, sync
 
 MODES = ("stock", "static", "engine", "engine_whole")  # engine_whole: the engine without chunked prefill
 
@@ -192,6 +192,14 @@ class TimedEngine(Engine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.split = dict(prefill_s=0.0, decode_s=0.0, prompt_slots=0, row_steps=0, active_row_steps=0, folded_cycles=0)
+        scheduler = self._scheduler  # its prefills (groups, cached prefixes, chunks) timed where they run
+        prefill, next_chunk = scheduler._prefill, scheduler.next_chunk
+
+        def timed_prefill(decoder, group, blocks=()):
+            self.split["prompt_slots"] += len(group) * max(len(h.request.prompt) for _, h in group)
+            return self._timed("prefill_s", prefill, decoder, group, blocks)
+        scheduler._prefill = timed_prefill
+        scheduler.next_chunk = lambda decoder, fold: self._timed("prefill_s", next_chunk, decoder, fold)
 
     def _timed(self, key, fn, *args):
         t = time.perf_counter()
@@ -200,14 +208,6 @@ class TimedEngine(Engine):
         finally:
             sync()
             self.split[key] += time.perf_counter() - t
-
-    def _prefill(self, decoder, group):
-        width = max(len(h.request.prompt) for _, h in group)
-        self.split["prompt_slots"] += len(group) * width
-        return self._timed("prefill_s", super()._prefill, decoder, group)
-
-    def _next_chunk(self, decoder, fold):
-        return self._timed("prefill_s", super()._next_chunk, decoder, fold)
 
     def _cycle(self, decoder, joining=None):
         self.split["row_steps"] += decoder.batch.hi
@@ -391,6 +391,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--busy", type=int, default=0, help="other processes spinning on the CPUs while it runs")
     args = p.parse_args(argv)
     if args.smoke:
         args.rates, args.requests, args.max_tokens, args.max_batch, args.num_draft_tokens = [20, 80], 8, 8, 4, 2
@@ -412,34 +413,36 @@ def main(argv=None):
                    prompt_tokens=args.prompt_tokens, min_prompt_tokens=args.min_prompt_tokens,
                    min_max_tokens=args.min_max_tokens, prefill_chunk=args.prefill_chunk, max_batch=args.max_batch, num_draft_tokens=args.num_draft_tokens,
                    gate=args.gate, max_seconds=args.max_seconds, seed=args.seed, runs=[])
-    warm_up(model, tok, names, prompts_for, args, eos)
-    for rate in args.rates:
-        jobs = schedule(names, prompts_for, args.requests, rate, args.max_tokens, args.seed, args.min_max_tokens,
-                        args.min_prompt_tokens)
-        run = dict(rate=rate, modes={}, requests=[])
-        served = {}
-        for mode in args.modes:
-            mine = [j.fresh() for j in jobs]
-            if mode.startswith("engine"):
-                engine_stats = run_engine(model, mine, args, chunked=mode == "engine")
-                split = engine_stats.pop("split")
-            else:
-                split, engine_stats = run_static(model, tok, mine, args, invisible=mode == "static", eos=eos), None
-            run["modes"][mode] = summarize(mine) | {"split": split} | ({"engine": engine_stats} if engine_stats else {})
-            served[mode] = mine
-            s = run["modes"][mode]
-            print(f"rate {rate:g} req/s, {mode}: {s['completed']} done, {s['dropped']} dropped, "
-                  f"{fmt(s['tokens_per_s'], digits=1)} tokens/s, TTFT p50 {fmt(s['ttft_p50'])} s, "
-                  f"TPOT p50 {fmt(s['tpot_p50'], 1000, 1)} ms", flush=True)
-        # Greedy outputs of the same request in the different modes (equal up to float32 near-ties).
-        first = args.modes[0]
-        run["same_tokens_as_" + first] = {
-            mode: sum(a.tokens == b.tokens for a, b in zip(served[first], served[mode]) if not a.dropped and not b.dropped)
-            for mode in args.modes[1:]}
-        run["requests"] = {mode: [dict(asdict(j), ids=len(j.ids), tokens=len(j.tokens)) for j in served[mode]]
-                           for mode in args.modes}
-        results["runs"].append(run)
-        (out / "serve.json").write_text(json.dumps(results, indent=1))
+    results["busy"] = args.busy
+    with busy(args.busy):  # --busy: another user's work on the machine meanwhile
+        warm_up(model, tok, names, prompts_for, args, eos)
+        for rate in args.rates:
+            jobs = schedule(names, prompts_for, args.requests, rate, args.max_tokens, args.seed, args.min_max_tokens,
+                            args.min_prompt_tokens)
+            run = dict(rate=rate, modes={}, requests=[])
+            served = {}
+            for mode in args.modes:
+                mine = [j.fresh() for j in jobs]
+                if mode.startswith("engine"):
+                    engine_stats = run_engine(model, mine, args, chunked=mode == "engine")
+                    split = engine_stats.pop("split")
+                else:
+                    split, engine_stats = run_static(model, tok, mine, args, invisible=mode == "static", eos=eos), None
+                run["modes"][mode] = summarize(mine) | {"split": split} | ({"engine": engine_stats} if engine_stats else {})
+                served[mode] = mine
+                s = run["modes"][mode]
+                print(f"rate {rate:g} req/s, {mode}: {s['completed']} done, {s['dropped']} dropped, "
+                      f"{fmt(s['tokens_per_s'], digits=1)} tokens/s, TTFT p50 {fmt(s['ttft_p50'])} s, "
+                      f"TPOT p50 {fmt(s['tpot_p50'], 1000, 1)} ms", flush=True)
+            # Greedy outputs of the same request in the different modes (equal up to float32 near-ties).
+            first = args.modes[0]
+            run["same_tokens_as_" + first] = {
+                mode: sum(a.tokens == b.tokens for a, b in zip(served[first], served[mode]) if not a.dropped and not b.dropped)
+                for mode in args.modes[1:]}
+            run["requests"] = {mode: [dict(asdict(j), ids=len(j.ids), tokens=len(j.tokens)) for j in served[mode]]
+                               for mode in args.modes}
+            results["runs"].append(run)
+            (out / "serve.json").write_text(json.dumps(results, indent=1))
     plot(results, out / "serve.png")
     print("\n" + table(results) + "\n\n" + split_table(results))
     for run in results["runs"]:

@@ -30,7 +30,8 @@ from common import machine
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora import zoo
-from hf_invisiblelora.decode.grammar import GrammarMask, Grammars, GrammarSpec, compile_spec
+from hf_invisiblelora.decode.grammar import GrammarMask
+from hf_invisiblelora.serving.grammars import Grammars, GrammarSpec, compile_spec
 from hf_invisiblelora.engine import Engine, Request
 
 ADAPTERS = ["kjv", "shakespeare", "python_code", "humaneval"]

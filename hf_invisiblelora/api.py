@@ -25,34 +25,27 @@ from .decode.checks import (
     check_call,
     check_compile,
     check_model,
-    check_options,
     resolve_adapter_names,
 )
-from .decode.drafters import (
-    make_drafters,
-    check_dtype as check_draft_dtype,
-    check_vocabulary,
-    observe as observe_tokens,
-    vocabulary as drafter_vocabulary,
-)
+from .decode.drafters import check_vocabulary, observe as observe_tokens, vocabulary as drafter_vocabulary
+from .decode.low_precision import draft_dtypes as resolve_draft_dtypes
 from .decode.policies import GeneratePolicy
 from .decode.grammar import grammar_masks
 from .decode.processors import ScoreHistory, reads_scores, split_criteria, step_outputs
-from .decode.session import Session, lora_backend as choose_lora_backend
+from .decode.session import Session, lora_backend as choose_lora_backend, make_drafters
 from .decode.stats import DecodingStats
 from .lora.bank import get_bank
 from .lora.saved_modules import saves_modules
 from .lora.switch import bank_inexact
 from .model.forward import backend_for, warmed
 from .model.layout import prompt_positions
-from .model.prepack import check_mode as check_prepack
 from .model.rotary import Recompute, length_dependent, recompute_slot
 from .model.state import state_of
+from .options import Options
 from .model.walk import BASE
 
 logger = logging.getLogger("hf_invisiblelora")
-OPTIONS = ("num_draft_tokens", "gate", "lora_backend", "generator", "compile", "draft_vocab", "draft_dtype", "prepack",
-           "prompt_lookup")  # generate() keywords that only InvisibleLoRA reads
+OPTIONS = (*Options.names(), "generator")  # generate() keywords that only InvisibleLoRA reads
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer")
 # generate() kwargs that send it to another decoding loop before any custom_generate callable runs.
 _OTHER_LOOPS = {"custom_generate": "it runs its own decoding loop through custom_generate",
@@ -87,17 +80,19 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     draft_vocab: the drafter's head restricted to this many of the most frequent tokens seen in the
         model's prompts and outputs (plus the prompts' tokens), or to a list of token ids (drafters.py).
     draft_dtype: the drafter's linear layers in this dtype: torch.bfloat16 / torch.float16, or
-        weight-only torch.int8 / torch.int4 (the CPU; drafters.py); or a tuple of choices (None: full
-        precision), among which the gate picks per cycle by measured cost and acceptance; "auto"
-        (the default): (None, torch.int8, torch.int4) for eager passes on the CPU where the copies
-        fit in half the memory available, else None. Both options make draft passes cheaper where the kernels are
-        fast, and keep the output exact.
-    prompt_lookup: also draft by prompt lookup (drafters.PromptLookupDrafter: what followed an earlier
+        weight-only torch.int8 / torch.int4 (the CPU; low_precision.py); or a tuple of choices (None:
+        full precision), among which the gate picks per cycle by measured cost and acceptance; "auto"
+        (the default): for eager passes on the CPU, the full model and the low-precision copies
+        measured faster on this CPU (tuning.py), where they fit in half the memory available; else
+        None. Both options make draft passes cheaper where the kernels are fast, and keep the output
+        exact.
+    prompt_lookup: also draft by prompt lookup (prompt_lookup.PromptLookupDrafter: what followed an earlier
         occurrence of a row's last tokens in its prompt and output; no model pass), among the
         drafters the gate picks from (default True).
     prepack: the eager passes' float32 linear layers on the CPU run on copies of their weights
-        prepacked for oneDNN (faster matmuls; the weights' size again in memory; prepack.py): "auto"
-        (where the copies fit in half the memory available), True or False.
+        prepacked for oneDNN (the weights' size again in memory; prepack.py): "auto" (each layer from
+        the token count where its copy was measured faster on this CPU, tuning.py; where the copies
+        fit in half the memory available), True or False.
     With ``return_dict_in_generate=True`` the output has ``.stats`` (DecodingStats); the last
     call's stats are also at ``state_of(model).stats``. Calls on one model run one at a time.
     A ``cache=`` (``past_key_values=``) DynamicCache is extended in place, as standard decoding
@@ -105,12 +100,12 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     tokens (a chat's next turn), is continued: only the tokens it does not hold are prefilled
     (checks.check_cache lists the caches refused).
     """
-    check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab, prompt_lookup)
-    check_prepack(prepack)
+    options = Options(num_draft_tokens=num_draft_tokens, gate=gate, lora_backend=lora_backend, compile=compile,
+                      draft_vocab=draft_vocab, draft_dtype=draft_dtype, prompt_lookup=prompt_lookup, prepack=prepack)
     check_model(model)
     # compile=True, or "auto" where warm_up built compiled passes: those passes' drafter ("auto").
-    draft_dtypes = check_draft_dtype(draft_dtype, model,
-                                     compiled=compile is True or compile == "auto" and bool(state_of(model).buckets))
+    draft_dtypes = resolve_draft_dtypes(draft_dtype, model,
+                                        compiled=compile is True or compile == "auto" and bool(state_of(model).buckets))
     inner = model.get_base_model()
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None or kwargs.get("inputs_embeds") is not None:
@@ -146,8 +141,8 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     stats = DecodingStats(names, num_draft_tokens)
     state = state_of(model)
 
-    call = Call(model, state, names, mixed, stats, streamer, gate, num_draft_tokens, lora_backend, compile_backend,
-                warm_only, prepack, generator, draft_vocab, draft_dtypes, prompt_lookup)
+    call = Call(model, state, names, mixed, stats, streamer, options, lora_backend, compile_backend, warm_only,
+                generator, draft_vocab, draft_dtypes)
     with state.hold():
         out = inner.generate(input_ids, custom_generate=functools.partial(decode, call), **kwargs)
         state.stats = stats
@@ -164,16 +159,13 @@ class Call:
     mixed: bool  # adapter_names given: PEFT's mixed-batch path
     stats: DecodingStats
     streamer: object
-    gate: str
-    num_draft_tokens: int
+    options: Options  # as given; what they resolve to on this model and call follows
     lora_backend: str
     compile_backend: str | None
     warm_only: bool  # compile="auto" on the CPU: a warmed-up bucket's compiled passes, never a compilation
-    prepack: object
     generator: object
-    draft_vocab: object
+    draft_vocab: object  # checked token ids, or a number of tokens
     draft_dtypes: tuple
-    prompt_lookup: bool
 
 
 def decode(call: Call, inner, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
@@ -182,7 +174,8 @@ def decode(call: Call, inner, input_ids, logits_processor, stopping_criteria, ge
     num_return_sequences, the cache created): prefill, cycles until every row is done, then
     generate()'s output."""
     model, state, names, stats, streamer = call.model, call.state, call.names, call.stats, call.streamer
-    num_draft_tokens, draft_vocab, draft_dtypes = call.num_draft_tokens, call.draft_vocab, call.draft_dtypes
+    options, draft_vocab, draft_dtypes = call.options, call.draft_vocab, call.draft_dtypes
+    num_draft_tokens = options.num_draft_tokens
     mask, cache = model_kwargs.get("attention_mask"), model_kwargs.get("cache")
     given = cache if getattr(cache, "_is_user_defined", False) else None  # the caller's: extended in place
     check_cache(given, input_ids, mask, generation_config, inner)  # first: it explains input_ids of another length
@@ -211,11 +204,11 @@ def decode(call: Call, inner, input_ids, logits_processor, stopping_criteria, ge
     vocab = draft_vocab if draft_vocab is None or not isinstance(draft_vocab, int) else \
         drafter_vocabulary(state, draft_vocab, input_ids, vocab_size)
     drafters = make_drafters(model, state, draft_dtypes, vocab, size=draft_vocab if isinstance(draft_vocab, int) else None,
-                             prompt_lookup=call.prompt_lookup, drafting=call.gate != "never")
+                             prompt_lookup=options.prompt_lookup, drafting=options.gate != "never")
     length = None
     if call.warm_only and state.buckets:  # a bucket warm_up (or compile=True) built, whose passes this call can take
         length = warmed(state.buckets, get_bank(model, adapters=()), input_ids.device, inner.dtype, b, width, rows,
-                        range(1, num_draft_tokens + 2), call.gate != "never", [d.key for d in drafters if d.passes])
+                        range(1, num_draft_tokens + 2), options.gate != "never", [d.key for d in drafters if d.passes])
     backend = "inductor" if length else call.compile_backend
     pad_id = int(pad) if pad is not None else 0
     eos = stopping.eos
@@ -227,9 +220,9 @@ def decode(call: Call, inner, input_ids, logits_processor, stopping_criteria, ge
         if want_scores and reads_scores(stopping.criteria) else None
     session = Session(
         model, state, GeneratePolicy(logits_processor, bool(generation_config.do_sample), call.generator),
-        capacity=b, width=width, mixed=call.mixed, lora_backend=call.lora_backend, gate=call.gate,
+        capacity=b, width=width, mixed=call.mixed, lora_backend=call.lora_backend, gate=options.gate,
         num_draft_tokens=num_draft_tokens, drafters=drafters, compile_backend=backend, length=length,
-        prepack=call.prepack, span=b, pad_id=pad_id, eos=None if eos is None else eos.to(input_ids.device),
+        prepack=options.prepack, span=b, pad_id=pad_id, eos=None if eos is None else eos.to(input_ids.device),
         criteria=stopping.criteria, freeze=stopping.pads, time_limits=stopping.time_limits,
         recompute=None if slot is None else Recompute(slot, b), scores=history,
         keep_prefill=want_scores or want_logits,
@@ -242,7 +235,7 @@ def decode(call: Call, inner, input_ids, logits_processor, stopping_criteria, ge
         committed = decoder.admit(list(range(b)), input_ids, mask, positions, [max_new] * b, rows, cached=past)
         while True:
             if streamer is not None and committed[0]:
-                end = prompt_len + decoder.batch.gen_h[0]
+                end = prompt_len + decoder.rows[0].gen
                 streamer.put(decoder.batch.tokens[0, end - committed[0] : end].cpu())
             if not decoder.batch.active:
                 break
@@ -333,7 +326,7 @@ def _returned_cache(fwd, batch, sequences, config, copy: bool, fed: bool = False
     """
     b, length = sequences.shape
     end = length - 1  # standard decoding never feeds the last token
-    first = batch.plen_h[0] + min(batch.gen_h[:b]) - 1  # the earliest slot a row has not cached
+    first = batch.rows[0].plen + min(row.gen for row in batch.rows[:b]) - 1  # the earliest slot a row has not cached
     if first < end and not fed:
         start = torch.full((b,), first, dtype=torch.long, device=sequences.device)
         fwd(sequences[:, first:end], start, end, keep=1)

@@ -16,7 +16,7 @@ import torch
 from test_dora_embedding import DORA, alone, assert_rows_equal, build
 
 import hf_invisiblelora  # noqa: F401  (generate(..., invisible_lora=True))
-from hf_invisiblelora.decode.drafters import low_precision_linear
+from hf_invisiblelora.decode.low_precision import low_precision_linear
 from hf_invisiblelora.kernels import packed_linear
 from hf_invisiblelora.model import derived
 from hf_invisiblelora.model.state import state_of

@@ -137,7 +137,8 @@ def test_block_runs(block):
             for b in rest:
                 run(b)
         finally:
-            os.killpg(proc.pid, 15)
+            if proc.poll() is None:  # else it ended on its own: the failure above says why
+                os.killpg(proc.pid, 15)
             proc.wait(60)
         return
     python = [block] + [b for b in rest if b.lang == "python"] if block.lang == "python" else [block]

@@ -53,11 +53,11 @@ def test_several_drafters_each_draft_and_learn_their_own_acceptance():
 def test_drafters_installed_together_keep_their_weights(monkeypatch):
     """int8 and int4 drafters in one call each make their quantized copies once: a later call reuses
     both (a shared slot per module made each evict the other, re-quantizing the model every call)."""
-    from hf_invisiblelora.decode import drafters
+    from hf_invisiblelora.decode import low_precision
 
     made = []
-    real = drafters.low_precision_linear
-    monkeypatch.setattr(drafters, "low_precision_linear", lambda w, b, dtype: made.append(dtype) or real(w, b, dtype))
+    real = low_precision.low_precision_linear
+    monkeypatch.setattr(low_precision, "low_precision_linear", lambda w, b, dtype: made.append(dtype) or real(w, b, dtype))
     model = tiny_peft("llama", strength=0.6)
     ids, mask = prompts(LENGTHS)
     counts = []
@@ -132,7 +132,7 @@ def test_bad_options(kw, message):
 def test_weight_only_drafters_run_their_kernels(monkeypatch, dtype, kernel, tolerance):
     """Weight-only int8 / int4 draft layers: close to the float layer (not equal: quantized), and
     the draft passes of a call run the kernel (so the option is not silently the full drafter)."""
-    from hf_invisiblelora.decode.drafters import low_precision_linear
+    from hf_invisiblelora.decode.low_precision import low_precision_linear
 
     g = torch.Generator().manual_seed(0)
     weight, bias, x = torch.randn(48, 64, generator=g), torch.randn(48, generator=g), torch.randn(3, 5, 64, generator=g)
@@ -156,7 +156,7 @@ def test_weight_only_kernels_only_where_their_shapes_hold(monkeypatch, dtype, in
     """Layers whose widths the weight-only kernels do not take (torch 2.13's int8 kernel segfaults on
     in_features 8 or 24 with several rows: Gemma-3n's AltUp layers) draft in bfloat16 instead, the
     kernel never called."""
-    from hf_invisiblelora.decode.drafters import low_precision_linear
+    from hf_invisiblelora.decode.low_precision import low_precision_linear
 
     monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: pytest.fail("int8 kernel called"))
     monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", lambda *a: pytest.fail("int4 kernel called"))
@@ -171,16 +171,16 @@ def test_auto_draft_dtypes(monkeypatch):
     """draft_dtype="auto" (the default): the full model and the low-precision copies measured faster on
     this CPU (tuning.py; here int8 and int4, as if measured) where the copies fit in half the memory
     available; the full model alone where they do not."""
-    from hf_invisiblelora.decode import drafters
+    from hf_invisiblelora.decode import low_precision
 
     measured_faster(monkeypatch, ["int8", "int4"])
     model = tiny_peft("llama", strength=0.6)
-    assert drafters.check_dtype("auto", model) == (None, torch.int8, torch.int4)
+    assert low_precision.draft_dtypes("auto", model) == (None, torch.int8, torch.int4)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(drafters, "available_bytes", lambda: 1000)
-        assert drafters.check_dtype("auto", model) == (None,)
+        mp.setattr(low_precision, "available_bytes", lambda: 1000)
+        assert low_precision.draft_dtypes("auto", model) == (None,)
     with pytest.raises(ValueError, match="draft_dtype"):
-        drafters.check_dtype("fast", model)
+        low_precision.draft_dtypes("fast", model)
     ids, mask = prompts(LENGTHS)
     out = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2, return_dict_in_generate=True)
     assert torch.equal(out.sequences, greedy(model, ids, mask))
@@ -190,11 +190,11 @@ def test_auto_draft_dtypes(monkeypatch):
 def measured_faster(monkeypatch, dtypes: list[str]):
     """draft_dtype="auto" as if ``dtypes`` had been measured faster than full precision (tuning.py)."""
     from hf_invisiblelora import tuning
-    from hf_invisiblelora.decode import drafters
+    from hf_invisiblelora.decode import low_precision
 
     monkeypatch.setenv("HF_INVISIBLELORA_TUNING", "off")
     monkeypatch.setattr(tuning, "_memory", {})
-    monkeypatch.setattr(drafters, "_faster_dtypes", lambda groups: {"faster": dtypes})
+    monkeypatch.setattr(low_precision, "_faster_dtypes", lambda groups: {"faster": dtypes})
 
 
 def test_gate_never_makes_no_draft_copies(monkeypatch):
@@ -217,7 +217,7 @@ def test_gate_never_makes_no_draft_copies(monkeypatch):
 
 
 def _lookup_reference(row: list[int], k: int, longest: int = 3, shortest: int = 1) -> tuple[int, list[int]]:
-    """drafters.match and lookup's semantics for one row, written plainly: (n matched, proposals)."""
+    """prompt_lookup.match and lookup's semantics for one row, written plainly: (n matched, proposals)."""
     for n in range(longest, shortest - 1, -1):
         if len(row) <= n:
             continue
@@ -229,7 +229,7 @@ def _lookup_reference(row: list[int], k: int, longest: int = 3, shortest: int = 
 
 
 def test_lookup_proposes_what_followed_the_latest_match():
-    from hf_invisiblelora.decode.drafters import lookup, match
+    from hf_invisiblelora.decode.prompt_lookup import lookup, match
 
     g = torch.Generator().manual_seed(0)
     for trial in range(200):
@@ -249,7 +249,7 @@ def test_lookup_proposes_what_followed_the_latest_match():
 def test_lookup_acceptance_is_learned_per_match_length():
     """The gate keys the lookup drafter's acceptance by the match length of each row's proposal, and
     rows without a match teach it nothing (they proposed their last token, not a lookup)."""
-    from hf_invisiblelora.decode.drafters import PromptLookupDrafter
+    from hf_invisiblelora.decode.prompt_lookup import PromptLookupDrafter
 
     model = tiny_peft("llama", strength=0.6)
     base, mask = prompts(LENGTHS)
@@ -258,7 +258,7 @@ def test_lookup_acceptance_is_learned_per_match_length():
     greedy(model, ids, mask, invisible_lora=True, gate="auto", num_draft_tokens=3)
     keys = {key[1] for key in state_of(model).gate.trials if isinstance(key, tuple) and key[1].startswith("/lookup")}
     assert keys and keys <= {"/lookup/1", "/lookup/2", "/lookup/3"}
-    from hf_invisiblelora.decode.decoder import Batch
+    from hf_invisiblelora.decode.batch import Batch
 
     batch = Batch.empty(2, 12, 0, "cpu")
     batch.load([0, 1], torch.tensor([[5, 6, 7, 5, 6, 7], [1, 2, 3, 4, 8, 9]]), [4, 4])
@@ -290,9 +290,9 @@ def test_sampling_with_prompt_lookup_is_exact(monkeypatch):
     from test_sampling import PROMPT, SUPPRESS, TEMPERATURE, TOP_K, exact
 
     from hf_invisiblelora import api
-    from hf_invisiblelora.decode import acceptance, drafters, policies
+    from hf_invisiblelora.decode import acceptance, policies, prompt_lookup
 
-    monkeypatch.setattr(api, "make_drafters", lambda *args, **kw: [drafters.PromptLookupDrafter()])
+    monkeypatch.setattr(api, "make_drafters", lambda *args, **kw: [prompt_lookup.PromptLookupDrafter()])
     model = tiny_peft("llama", vocab=8, adapters=("b", "d"), strength=1.5, seed=1)
     with torch.no_grad():
         target = exact(model, "b")

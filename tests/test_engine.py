@@ -2,6 +2,7 @@
 its adapter (float64, greedy), whatever shares the batch; seeded sampling is reproducible per
 request and exact; rows are freed by cancellation; adapters load and unload while serving."""
 
+import dataclasses
 import threading
 import time
 
@@ -10,6 +11,7 @@ import torch
 from peft import LoraConfig
 
 import hf_invisiblelora  # noqa: F401
+from hf_invisiblelora.decode.batch import Phase
 from hf_invisiblelora.engine import Engine, InvalidRequest, Request
 from tiny import chi_square_p, tiny_peft
 
@@ -376,8 +378,10 @@ def quiet(engine, timeout=30):
         assert time.monotonic() < deadline, "the engine did not go idle"
         time.sleep(0.005)
     decoder = engine._decoder
-    assert all(decoder.batch.done_h) and decoder.names == [None] * engine.max_batch
-    assert decoder.policy.rows == [None] * engine.max_batch and engine._rows.handles == [None] * engine.max_batch
+    assert all(row.phase is Phase.FREE for row in decoder.rows)
+    assert decoder.names == [None] * engine.limits.max_batch
+    assert decoder.policy.rows == [None] * engine.limits.max_batch
+    assert engine._rows.handles == [None] * engine.limits.max_batch
 
 
 def test_requests_admitted_together_fit_their_rows(model, monkeypatch):
@@ -531,13 +535,13 @@ def spy_passes(monkeypatch):
 
     def prefill_spy(self, idx, start, end):
         log.append(("prefill", tuple(idx), start, end, tuple(r for r in self.batch.active if r not in idx),
-                    self.batch.plen_h[idx[0]], "alone"))
+                    self.rows[idx[0]].plen, "alone"))
         return prefill(self, idx, start, end)
 
     def cycle_spy(self, joining=None):
         if joining is not None:
             rows, start, end = joining
-            log.append(("prefill", tuple(rows), start, end, tuple(self.batch.active), self.batch.plen_h[rows[0]],
+            log.append(("prefill", tuple(rows), start, end, tuple(self.batch.active), self.rows[rows[0]].plen,
                         "folded"))
         log.append(("cycle", tuple(self.batch.active)))
         return cycle(self, joining)
@@ -554,10 +558,10 @@ def test_prompts_ride_in_the_cycles_verify_passes(model, monkeypatch, fold):
     fold, FOLD_SLOTS 0: passes of their own, one between two cycles); every greedy answer equals
     standalone generate(); a seeded sampled request gives the tokens it gives with whole-prompt
     prefills."""
-    from hf_invisiblelora.engine import engine as engine_module
+    from hf_invisiblelora.engine import scheduler
 
     if not fold:
-        monkeypatch.setattr(engine_module, "FOLD_SLOTS", 0)
+        monkeypatch.setattr(scheduler, "FOLD_SLOTS", 0)
     log = spy_passes(monkeypatch)
     g = torch.Generator().manual_seed(21)
     # The long prompt first: its row (0) waits for its chunks below a row that decodes (1).
@@ -573,7 +577,8 @@ def test_prompts_ride_in_the_cycles_verify_passes(model, monkeypatch, fold):
             assert h.result(60) == standalone(model, prompt, adapter, m), adapter
         sampled = {}
         for chunk in (8, None):
-            engine.prefill_chunk = chunk
+            # The scheduler reads the limits it was given: the next prompt's chunks follow this one
+            engine._scheduler.limits = dataclasses.replace(engine._scheduler.limits, prefill_chunk=chunk)
             h = engine.submit(Request(jobs[0][0], adapter="b", max_tokens=8, temperature=0.9, seed=5))
             sampled[chunk] = h.result(60)
             chunked_log = chunked_log if chunk is None else list(log)

@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.decode import decoder as decoding
-from hf_invisiblelora.engine import Engine, Request, engine as engine_module
-from hf_invisiblelora.engine.scheduling import prefill_groups
+from hf_invisiblelora.decode.batch import Phase
+from hf_invisiblelora.engine import Engine, Request, scheduler
+from hf_invisiblelora.engine.scheduler import prefill_groups
 from hf_invisiblelora.model import layout
 from tiny import EOS, tiny_peft
 
@@ -135,9 +136,9 @@ def test_request_mixes_decode_exactly(mix):
     engine_kw, specs, fault = mix
     engine = Engine(model(), **engine_kw).start()
     handles, splits, checked = [], [], []
-    groups = engine_module.prefill_groups
+    groups = scheduler.prefill_groups
     try:
-        with injected(fault), mock.patch.object(engine_module, "prefill_groups",
+        with injected(fault), mock.patch.object(scheduler, "prefill_groups",
                                                 lambda *a: splits.append(len(out := groups(*a))) or out):
             waves = []
             for spec in specs:
@@ -169,8 +170,9 @@ def test_request_mixes_decode_exactly(mix):
             assert engine.alive and engine.running() == 0 and engine.queue_length() == 0
             wait_for(lambda: engine._decoder is not None)  # built on the engine's thread as it starts
             decoder = engine._decoder
-            assert all(decoder.batch.done_h) and decoder.names == [None] * engine.max_batch
-            assert decoder.policy.rows == [None] * engine.max_batch
+            assert all(row.phase is Phase.FREE for row in decoder.rows)
+            assert decoder.names == [None] * engine.limits.max_batch
+            assert decoder.policy.rows == [None] * engine.limits.max_batch
             m = engine.metrics_snapshot()
             if fault is not None:  # the engine serves on: a new request decodes exactly
                 again = SimpleNamespace(**{**vars(specs[0]), "cancel": None})
@@ -243,7 +245,7 @@ def fewest_groups(items, room):
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(room=st.integers(2, 20), data=st.data())
 def test_prefill_groups_fit_and_are_fewest(room, data):
-    """scheduling.prefill_groups: a partition of the joining requests, each group in FIFO order and in the
+    """scheduler.prefill_groups: a partition of the joining requests, each group in FIFO order and in the
     order of its first request, every row fitting beside the group's longest prompt, and as few
     groups as any partition whose rows fit."""
     request = st.integers(1, room - 1).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, room - n)))

@@ -1,4 +1,4 @@
-"""Structured outputs (decode/grammar.py) decode as stock does, under speculation.
+"""Structured outputs (decode/grammar.py, serving/grammars.py) decode as stock does, under speculation.
 
 generate(): a model's greedy output with xgrammar's Transformers processor, ``invisible_lora=True``
 against stock PEFT, token for token, over random JSON schemas (every output valid), regexes,
@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 from xgrammar.contrib.hf import LogitsProcessor
 
 import hf_invisiblelora  # noqa: F401
-from hf_invisiblelora.decode.grammar import (CompilerUnavailable, GrammarError, GrammarMask, Grammars, GrammarsBusy,
-                                             GrammarSpec, compile_spec)
+from hf_invisiblelora.decode.grammar import GrammarMask
+from hf_invisiblelora.serving.grammars import (CompilerUnavailable, GrammarError, Grammars, GrammarsBusy, GrammarSpec,
+                                               compile_spec)
 from hf_invisiblelora.engine import Engine, Request
 from hf_invisiblelora.engine.request import Status
 from tiny import chi_square_p, json_tokenizer, tiny_peft

@@ -191,7 +191,7 @@ def while_prefilling(engine, g, prompt, max_tokens):
     """(busy, handle): a request decoding in one row for as long as the engine's rows allow (so a
     prompt is prefilled a chunk a cycle), and one for ``prompt`` under "s", returned once its prompt
     is being prefilled."""
-    busy = engine.submit(Request(tokens(g, 3), adapter="b", max_tokens=engine.max_len - 16, temperature=0,
+    busy = engine.submit(Request(tokens(g, 3), adapter="b", max_tokens=engine.limits.max_len - 16, temperature=0,
                                  ignore_eos=True))
     while busy.status != Status.DECODING:
         time.sleep(0.001)

@@ -34,7 +34,7 @@ def test_cached_prefixes_decode_as_stock(arch):
     try:
         answers = [engine.submit(Request(p, adapter=a, max_tokens=NEW, temperature=0)).result(120)
                    for p, a in jobs]
-        cached = engine._prefix is not None
+        cached = engine._scheduler.prefix is not None
         hits = engine.metrics_snapshot()["prefix_hits"]
     finally:
         engine.stop()

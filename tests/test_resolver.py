@@ -157,7 +157,7 @@ def test_resolved_adapters_are_bounded_by_default_and_found_afresh(folders, tmp_
     expected = standalone(ref, prompt, "plain", 5)
     engine = Engine(served, max_batch=4, max_len=64, max_loras=2, lora_resolver_dirs=[lookup]).start()
     try:
-        assert engine.max_cpu_loras == 2
+        assert engine.limits.max_cpu_loras == 2
         for i in range(8):
             assert engine.submit(Request(prompt, adapter=f"copy{i}", max_tokens=5, temperature=0)).result(60) == expected
             assert len(served.peft_config) <= 2 and len(engine.adapters()) <= 2  # s, and one resolved at most

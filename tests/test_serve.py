@@ -547,9 +547,24 @@ def test_a_bad_path_at_start_is_one_line_and_exit_2(files, tmp_path, flag):
     assert "Traceback" not in res.stderr, res.stderr
 
 
-def test_draft_dtype_option_takes_several():
-    """--draft-dtype float32 int8 int4: the gate's choices, as Engine(draft_dtype=) takes them."""
-    from hf_invisiblelora.serving.cli import draft_dtypes
+def test_engine_options_come_from_one_definition():
+    """The command line's engine options are options.Options and Limits: --draft-dtype float32 int8 int4
+    the gate's choices as Engine(draft_dtype=) takes them, defaults and bad values those of the
+    definitions (argparse's usage error naming the option)."""
+    from hf_invisiblelora.options import Limits, Options
+    from hf_invisiblelora.serving import cli
 
-    assert draft_dtypes(None) == "auto" and draft_dtypes(["auto"]) == "auto" and draft_dtypes(["int4"]) is torch.int4
-    assert draft_dtypes(["float32", "int8", "int4"]) == (None, torch.int8, torch.int4)
+    args = cli.parse(["--model", "m"])
+    engine = cli.engine_arguments(args)
+    assert engine["draft_dtype"] == "auto" and engine["max_batch"] == Limits().max_batch
+    assert engine["gate"] == Options().gate and engine["prepack"] == "auto"
+    assert cli.engine_arguments(cli.parse(["--model", "m", "--draft-dtype", "int4"]))["draft_dtype"] is torch.int4
+    several = cli.parse(["--model", "m", "--draft-dtype", "float32", "int8", "int4", "--prepack", "off"])
+    assert cli.engine_arguments(several)["draft_dtype"] == (None, torch.int8, torch.int4)
+    assert cli.engine_arguments(several)["prepack"] is False
+    for bad, words in ((["--max-loras", "0"], "max-loras must be None or an int >= 1"),
+                       (["--draft-dtype", "int8", "int8"], "distinct"), (["--max-batch", "0"], "max-batch"),
+                       (["--draft-dtype", "auto", "int8"], "stands alone")):
+        res = subprocess.run([sys.executable, "-P", "-m", "hf_invisiblelora.serve", "--model", "m", *bad],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and words in res.stderr and "Traceback" not in res.stderr, res.stderr

@@ -36,8 +36,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 from xgrammar.contrib.hf import LogitsProcessor as XgrammarProcessor
 
-from hf_invisiblelora.decode.grammar import GrammarSpec, compile_spec
-from hf_invisiblelora.serving.structured import ToolCalls, parse_hermes, parse_required
+from hf_invisiblelora.serving.grammars import GrammarSpec, compile_spec
+from hf_invisiblelora.serving.tool_calls import ToolCalls, parse_hermes, parse_required
 from test_serve import ADAPTERS, BASE_ID, launch, request
 from tiny import json_tokenizer, tiny_peft
 

@@ -12,7 +12,7 @@ import torch
 
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora import tuning
-from hf_invisiblelora.decode import drafters
+from hf_invisiblelora.decode import low_precision
 from hf_invisiblelora.model import prepack
 from hf_invisiblelora.model.walk import linears
 from tiny import tiny_peft
@@ -80,8 +80,8 @@ def test_the_real_measurements_give_verdicts_of_their_form(home):
     fewest = prepack.thresholds(modules)
     assert set(fewest) == {prepack._shape(m) for m in modules}
     assert all(v in prepack.TOKENS or v == prepack.NEVER for v in fewest.values())
-    dtypes = drafters.auto_dtypes(model)
-    assert dtypes[0] is None and set(dtypes[1:]) <= set(drafters.AUTO) and len(dtypes) <= 1 + drafters.AUTO_KEEP
+    dtypes = low_precision.auto_dtypes(model)
+    assert dtypes[0] is None and set(dtypes[1:]) <= set(low_precision.AUTO) and len(dtypes) <= 1 + low_precision.AUTO_KEEP
     [path] = (home / "tuning").iterdir()
     kinds = {name.split(":")[0] for name in json.loads(path.read_text())["verdicts"]}
     assert kinds == {"prepack", "draft_dtype"}
@@ -90,8 +90,8 @@ def test_the_real_measurements_give_verdicts_of_their_form(home):
 def test_draft_dtypes_follow_the_verdict(home, monkeypatch):
     monkeypatch.setenv("HF_INVISIBLELORA_TUNING", "off")
     model = tiny_peft("llama", strength=0.6, dtype=torch.float32)
-    monkeypatch.setattr(drafters, "_faster_dtypes", lambda groups: {"faster": ["int4", "bfloat16"]})
-    assert drafters.auto_dtypes(model) == (None, torch.int4, torch.bfloat16)
+    monkeypatch.setattr(low_precision, "_faster_dtypes", lambda groups: {"faster": ["int4", "bfloat16"]})
+    assert low_precision.auto_dtypes(model) == (None, torch.int4, torch.bfloat16)
     tuning.clear()
-    monkeypatch.setattr(drafters, "_faster_dtypes", lambda groups: {"faster": []})
-    assert drafters.auto_dtypes(model) == (None,)
+    monkeypatch.setattr(low_precision, "_faster_dtypes", lambda groups: {"faster": []})
+    assert low_precision.auto_dtypes(model) == (None,)

@@ -24,11 +24,7 @@ from ..model.layout import ATTENTION
 from ..model.quantized import check_layer, check_weights
 from ..model.rotary import length_dependent
 from ..model.walk import BASE, all_modules, layer_adapters, lora_layers, named_lora_layers
-from .drafters import check_vocabulary_option
 
-GATE_MODES = ("auto", "always", "never")
-LORA_BACKENDS = ("bank", "peft")
-COMPILE_OPTIONS = ("auto", True, False)
 # Returned per-step outputs not served: standard decoding's are the attention weights and hidden states of
 # its one-token steps, per layer; the passes here run several tokens per row at different slots over a
 # padded cache, so reproducing them would take a pass per step. (output_scores / output_logits are served:
@@ -49,20 +45,6 @@ UNSUPPORTED = {
     "musicgen_melody": "its input rows are audio codebooks, several per sequence",
     "xlm": "its generation appends a mask token to every step's input",
 }
-
-
-def check_options(gate, num_draft_tokens, lora_backend, compile, draft_vocab=None, prompt_lookup=True) -> None:
-    if gate not in GATE_MODES:
-        raise ValueError(f"gate must be one of {GATE_MODES}, got {gate!r}.")
-    if not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool) or num_draft_tokens < 0:
-        raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}.")
-    if lora_backend not in LORA_BACKENDS:
-        raise ValueError(f"lora_backend must be one of {list(LORA_BACKENDS)}, got {lora_backend!r}.")
-    if compile not in COMPILE_OPTIONS:
-        raise ValueError(f"compile must be one of {COMPILE_OPTIONS}, got {compile!r}.")
-    check_vocabulary_option(draft_vocab)
-    if not isinstance(prompt_lookup, bool):
-        raise ValueError(f"prompt_lookup must be True or False, got {prompt_lookup!r}.")
 
 
 def check_model(model) -> None:

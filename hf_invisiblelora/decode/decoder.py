@@ -16,7 +16,8 @@ and it is where each cycle starts:
 Rows join (``admit``: a prefill of those rows) and leave between cycles; a cycle runs the rows
 0..hi-1 that hold work (free rows among them ride along, masked). ``generate()`` admits all its
 rows at once and cycles until they are done; the serving engine (engine.py) admits requests as
-rows free up. The host learns each row's counts once per cycle (one device sync).
+rows free up. Each row's state is one record (batch.Row: its phase, counts, adapter and drafts); the
+host learns the counts once per cycle (one device sync).
 
 What differs between those uses is the ``policy``: how scores are processed, how a token is
 picked from them and how drafts are accepted (greedy, speculative sampling, or per-request
@@ -27,69 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 
 import torch
 
+from .batch import Batch, Phase, commit
 from .gate import Gate
-from .processors import expired, first_stop
-
-
-@dataclass
-class Batch:
-    """The rows of one cache: their tokens and how far each has got.
-
-    Device tensors for batched ops, host lists (``*_h``) refreshed by each cycle's one sync. A free
-    row is done and holds no work. ``stop_at[b]``: the number of tokens at which a stopping
-    criterion stopped row b when stopped rows are not frozen (``generate()`` without an EOS token:
-    standard decoding then keeps generating real tokens until every row has stopped).
-    """
-
-    tokens: torch.Tensor
-    plen: torch.Tensor
-    gen: torch.Tensor
-    plen_h: list
-    gen_h: list
-    done_h: list
-    max_new_h: list
-    stop_at: list
-
-    @classmethod
-    def empty(cls, capacity: int, width: int, pad_id: int, device) -> "Batch":
-        zeros = torch.zeros(capacity, dtype=torch.long, device=device)
-        return cls(torch.full((capacity, width), pad_id, dtype=torch.long, device=device), zeros, zeros.clone(),
-                   [0] * capacity, [0] * capacity, [True] * capacity, [0] * capacity, [None] * capacity)
-
-    def load(self, idx: list[int], input_ids: torch.Tensor, max_new: list[int]) -> None:
-        """Rows ``idx`` start on ``input_ids`` [n, P] (left-padded) with budgets of ``max_new`` tokens."""
-        p = input_ids.shape[1]
-        self.tokens[idx, :p] = input_ids.to(self.tokens.dtype)
-        for r, m in zip(idx, max_new):
-            self.plen_h[r], self.gen_h[r], self.done_h[r], self.max_new_h[r], self.stop_at[r] = p, 0, False, m, None
-        self.sync()
-
-    def sync(self) -> None:
-        """Device copies of the host counts (after the host changed them)."""
-        self.plen = torch.tensor(self.plen_h, device=self.tokens.device)
-        self.gen = torch.tensor(self.gen_h, device=self.tokens.device)
-
-    @property
-    def active(self) -> list[int]:
-        return [r for r, d in enumerate(self.done_h) if not d]
-
-    @property
-    def hi(self) -> int:
-        """Rows 0..hi-1 hold every active row: the span a cycle runs."""
-        active = self.active
-        return active[-1] + 1 if active else 0
-
-    def ends(self, hi: int) -> torch.Tensor:
-        """[hi] slot after each row's last committed token."""
-        return self.plen[:hi] + self.gen[:hi]
-
-    def kv_end(self, hi: int, extra: int) -> int:
-        """Slots a pass over rows 0..hi-1 attends to when each writes ``extra`` tokens past its end - 1."""
-        return max(self.plen_h[r] + self.gen_h[r] for r in range(hi)) - 1 + extra
 
 
 def verify(fwd, batch: Batch, hi: int, k: int, policy, joining=None):
@@ -112,74 +55,6 @@ def verify(fwd, batch: Batch, hi: int, k: int, policy, joining=None):
     logits = fwd(batch.tokens[:span].gather(1, at), starts, max(batch.kv_end(hi, k + 1), end), keep=k + 1,
                  rows=slice(0, span), lens=lens)
     return policy.scores(batch, slice(0, hi), logits[:hi], offset=0, target=True), logits[sub, -1:]
-
-
-def commit(batch: Batch, hi: int, n, next_token, k: int, eos, criteria, freeze: bool, members=None,
-           time_limits=(), scores=None):
-    """Append each member row's accepted drafts + next token, cut at EOS / stopping criteria / the
-    row's budget. ``n``, ``next_token``: [hi]; ``members``: the rows committing (default: the
-    active rows among 0..hi-1); the others keep nothing.
-
-    ``freeze``: a stopped row is finished (its later tokens are padding), as in standard decoding
-    when a criterion has an ``eos_token_id``; otherwise it keeps generating until every row has
-    stopped. ``time_limits``: generate()'s max_time criteria; once one has passed, every row ends at
-    one length, as standard decoding's batch ends at the step the time ran out: the shortest length
-    a row still generating has reached (rows ahead of it drop what they hold beyond it). ``scores``:
-    what the criteria are handed as ``scores`` (None, or a processors.ScoreHistory).
-    Returns the host lists (kept per row, accepted drafts per row): the cycle's one device sync
-    (two when stopping criteria beyond EOS and the budget are set).
-    """
-    members = [r for r in range(hi) if not batch.done_h[r]] if members is None else members
-    tokens, end = batch.tokens[:hi], batch.ends(hi)
-    tokens.scatter_(1, (end + n)[:, None], next_token[:, None])
-    member = torch.zeros(hi, dtype=torch.bool, device=tokens.device)
-    member[members] = True
-    budget = torch.tensor(batch.max_new_h[:hi], device=tokens.device) - batch.gen[:hi]
-    committed = torch.where(member, n + 1, 0).minimum(budget)
-    stopped = torch.zeros_like(member)
-    if eos is not None:
-        offsets = torch.arange(k + 1, device=tokens.device)
-        new = tokens.gather(1, end[:, None] + offsets)
-        hit = torch.isin(new, eos) if eos.dim() == 1 else (new[:, :, None] == eos[:hi, None, :]).any(-1)
-        is_eos = hit & (offsets < committed[:, None])
-        stopped = is_eos.any(1)
-        committed = torch.where(stopped, is_eos.long().argmax(1) + 1, committed)
-    committed_h, stopped_h, n_h = torch.stack([committed, stopped.long(), n]).tolist()
-    if criteria:
-        for r, s in enumerate(first_stop(criteria, tokens, batch.plen_h[:hi], batch.gen_h[:hi], committed_h, scores)):
-            if s is not None:
-                committed_h[r], stopped_h[r] = s, 1
-    for r in members:
-        batch.gen_h[r] += committed_h[r]
-        if stopped_h[r] and batch.stop_at[r] is None:
-            batch.stop_at[r] = batch.gen_h[r]
-    if time_limits and expired(time_limits, tokens):
-        _end_batch(batch, hi, committed_h, freeze)
-        batch.gen = torch.tensor(batch.gen_h, device=tokens.device)
-        return committed_h, n_h
-    # Without freezing (generate(), whose rows 0..hi-1 are its batch), every row generates up to
-    # the last row's stop once all have stopped.
-    limit = None if freeze or None in batch.stop_at[:hi] else max(batch.stop_at[:hi])
-    for r in members:
-        stop = freeze and batch.stop_at[r] is not None
-        batch.done_h[r] = stop or batch.gen_h[r] >= (batch.max_new_h[r] if limit is None else limit)
-    batch.gen = torch.tensor(batch.gen_h, device=tokens.device)
-    return committed_h, n_h
-
-
-def _end_batch(batch: Batch, hi: int, committed_h: list, freeze: bool) -> None:
-    """Every row of 0..hi-1 ends at the shortest length of a row still generating real tokens (rows
-    finished and padded do not count); nothing to cut if none is."""
-    going = [batch.gen_h[r] for r in range(hi) if not batch.done_h[r] and not (freeze and batch.stop_at[r] is not None)]
-    if going:
-        end = min(going)
-        for r in range(hi):
-            committed_h[r] -= max(0, batch.gen_h[r] - end)
-            batch.gen_h[r] = min(batch.gen_h[r], end)
-            if not freeze:  # the batch's output ends here
-                batch.stop_at[r] = end
-    for r in range(hi):
-        batch.done_h[r] = True
 
 
 class Decoder:
@@ -206,13 +81,11 @@ class Decoder:
         self.batch = Batch.empty(capacity, fwd.layout.width, pad_id, fwd.layout.positions.device)
         self.eos, self.criteria, self.freeze, self.recompute = eos, criteria, freeze, recompute
         self.time_limits = time_limits
-        self.names = [None] * capacity  # each row's adapter
         self.timer = PassTimer(self.batch.tokens.device)
         self.threads = None  # threads.Contention while installed on the CPU (session.py)
         self.cycles, self.k, self.k_per_cycle, self.history = 0, 0, [], history
         self.drafter_per_cycle, self.draft_passes = [], 0
-        self.drafted, self.accepted, self.row_cycles = [0] * capacity, [0] * capacity, [0] * capacity
-        self.waiting = [False] * capacity  # rows whose prompt is being prefilled in chunks (prefill)
+        self.rows = self.batch.rows  # each row's record (batch.Row)
         self.scores, self.keep_prefill, self.prefill_logits = scores, keep_prefill, None
 
     def admit(self, idx: list[int], input_ids, attention_mask, positions, max_new: list[int], names: list[str],
@@ -227,15 +100,15 @@ class Decoder:
         prefilled."""
         p = input_ids.shape[1]
         for r, name in zip(idx, names):
-            self.names[r] = name
-            self.drafted[r] = self.accepted[r] = self.row_cycles[r] = 0
+            row = self.rows[r]
+            row.adapter, row.drafted, row.accepted, row.cycles = name, 0, 0, 0
         self._rows_changed()
         self.fwd.cache.clear(idx, cached)  # nothing of the rows' earlier requests is read (SharedCache.clear)
         self.batch.load(idx, input_ids, max_new)
         self.fwd.layout.load(idx, attention_mask, positions, [p + m - 2 for m in max_new])
         if upto == 0:
             for r in idx:
-                self.batch.done_h[r] = self.waiting[r] = True
+                self.rows[r].phase = Phase.PREFILLING
             return None
         return self.prefill(idx, cached, p if upto is None else min(upto, p))
 
@@ -248,10 +121,10 @@ class Decoder:
     def prefill(self, idx: list[int], start: int, end: int):
         """Prompt slots [start, end) of rows ``idx`` (admitted together) through one LoRA-on pass,
         attending to the slots before ``start`` as a verify pass does. Until the prompt's end the rows
-        wait (done: cycles leave them out; the slots a cycle writes for a waiting row are at and past
-        its last prompt slot, which its last chunk writes again; ``waiting``) and None is returned; the
+        wait (Phase.PREFILLING: cycles leave them out; the slots a cycle writes for such a row are at
+        and past its last prompt slot, which its last chunk writes again) and None is returned; the
         last chunk gives each row its first token, as admit() describes."""
-        batch, p = self.batch, self.batch.plen_h[idx[0]]
+        batch, p = self.batch, self.rows[idx[0]].plen
         sub = torch.tensor(idx, device=batch.tokens.device)
         prompt = self.policy.wants_prompt(idx)  # prompt log-probabilities: every position's logits
         logits = self.fwd(batch.tokens[sub, start:end], sub.new_full((len(idx),), start), end,
@@ -260,7 +133,7 @@ class Decoder:
             self.policy.keep_prompt(batch, idx, logits, start)
             logits = logits[:, -1:]
         for r in idx:
-            batch.done_h[r] = self.waiting[r] = end < p
+            self.rows[r].phase = Phase.PREFILLING if end < p else Phase.DECODING
         if end < p:
             return None
         if self.keep_prefill:  # a copy: processors may edit their input in place
@@ -291,7 +164,7 @@ class Decoder:
         # What each drafter can offer each row this cycle (prompt lookup: how long a match), for the gate.
         plans = [d.plan(batch, hi) for d in self.drafters] if self.gate.mode == "auto" else [None] * len(self.drafters)
         labels = [None if plan is None else plan.labels for plan in plans]
-        k = self.gate.choose([0 if batch.done_h[r] else batch.max_new_h[r] - batch.gen_h[r] for r in range(hi)], labels)
+        k = self.gate.choose([row.left if row.decoding else 0 for row in self.rows[:hi]], labels)
         self.cycles, self.k = self.cycles + 1, k
         pick = self.gate.pick
         builds, drafter = self.fwd.builds, self.drafters[pick]
@@ -311,8 +184,8 @@ class Decoder:
             if self.recompute is not None:
                 n, next_token = self.recompute.cap(batch, hi, n, next_token, drafts)
             if self.scores is not None:  # position t of the verify pass chose token gen + t
-                self.scores.record(torch.arange(hi, device=scores.device), batch.gen_h[:hi], scores,
-                                   live=[not d for d in batch.done_h[:hi]])
+                self.scores.record(torch.arange(hi, device=scores.device), [row.gen for row in self.rows[:hi]],
+                                   scores, live=[row.decoding for row in self.rows[:hi]])
             span = hi
             if joining is not None:
                 span, n, next_token = self._joined(joining, joined, hi, n, next_token)
@@ -320,9 +193,8 @@ class Decoder:
                                     time_limits=self.time_limits, scores=self.scores)
         drafter.learn(batch, hi, n_h)
         for r in active:
-            self.drafted[r] += k
-            self.accepted[r] += n_h[r]
-            self.row_cycles[r] += 1
+            row = self.rows[r]
+            row.drafted, row.accepted, row.cycles = row.drafted + k, row.accepted + n_h[r], row.cycles + 1
         spans = self.timer.collect()
         if self.fwd.builds == builds:  # not a pass's compilation (nor, for its cost, one with prompt slots)
             self.gate.observe(k, n_h[:hi], [r in active for r in range(hi)], spans.get("draft"),
@@ -335,9 +207,9 @@ class Decoder:
         if the chunk ended their prompts; they then decode from the next cycle on."""
         rows, _, end = joining
         batch, span = self.batch, max(hi, max(rows) + 1)
-        waiting = end < batch.plen_h[rows[0]]  # more chunks to come
+        waiting = end < self.rows[rows[0]].plen  # more chunks to come
         for r in rows:
-            batch.done_h[r] = self.waiting[r] = waiting
+            self.rows[r].phase = Phase.PREFILLING if waiting else Phase.DECODING
         sub = torch.tensor(rows, device=n.device)
         full_n, full_next = n.new_zeros(span), next_token.new_zeros(span)
         full_n[:hi], full_next[:hi] = n, next_token
@@ -361,45 +233,39 @@ class Decoder:
 
     def free(self, r: int) -> None:
         """Row r holds no request any more: no adapter, no policy state (its slots are reused)."""
-        self.batch.done_h[r] = True
-        self.waiting[r] = False
-        self.names[r] = None
+        self.rows[r].phase, self.rows[r].adapter = Phase.FREE, None
         self.policy.release(r)
 
     def reset(self, rows: list[int], room: int) -> None:
         """Free ``rows`` after a failure, whatever was half-done: a free row rides along in cycles,
         so its counts are made to keep its slots in range (``room``: the slots a row may use)."""
-        batch = self.batch
         for r in rows:
             self.free(r)
-            batch.stop_at[r] = None
-            batch.gen_h[r], batch.plen_h[r] = 0, min(max(batch.plen_h[r], 1), room)
-        batch.sync()
+            row = self.rows[r]
+            row.stop_at, row.gen, row.plen = None, 0, min(max(row.plen, 1), room)
+        self.batch.sync()
         self._rows_changed()
 
-    def remaining(self, r: int) -> int:
-        """Tokens row r may still commit."""
-        return self.batch.max_new_h[r] - self.batch.gen_h[r]
-
-    def generated(self, r: int) -> int:
-        return self.batch.gen_h[r]
+    @property
+    def names(self) -> list:
+        """Each row's adapter (None: free)."""
+        return [row.adapter for row in self.rows]
 
     def end_reason(self, r: int) -> str | None:
         """None while row r decodes or waits for its prompt's chunks; once done, "length" (its budget)
         or "stop" (a stop token)."""
-        b = self.batch
-        if not b.done_h[r] or self.waiting[r]:
+        row = self.rows[r]
+        if row.phase in (Phase.DECODING, Phase.PREFILLING):
             return None
-        return "length" if b.gen_h[r] >= b.max_new_h[r] and b.stop_at[r] is None else "stop"
+        return "length" if row.gen >= row.max_new and row.stop_at is None else "stop"
 
     def new_tokens(self, committed: list[int]) -> list[list[int]]:
         """Each row's newly committed tokens (its last ``committed[r]``), in one copy to the host (one
         device sync)."""
         if not any(committed):
             return [[] for _ in committed]
-        b, tokens = self.batch, self.batch.tokens[: len(committed)].tolist()
-        return [tokens[r][b.plen_h[r] + b.gen_h[r] - n : b.plen_h[r] + b.gen_h[r]] if n else []
-                for r, n in enumerate(committed)]
+        tokens = self.batch.tokens[: len(committed)].tolist()
+        return [tokens[r][row.end - n : row.end] if n else [] for r, (row, n) in enumerate(zip(self.rows, committed))]
 
     def set_lora(self, lora) -> None:
         """A new LoRA switch (the adapters changed: a new bank, whose slots may move); rows in flight go on."""
@@ -414,23 +280,24 @@ class Decoder:
 
     def output_length(self) -> int:
         """New tokens in generate()'s output: as many as standard decoding's steps."""
-        batch = self.batch
-        if not self.freeze and None not in batch.stop_at:
-            return min(max(batch.stop_at), max(batch.max_new_h))
-        return max(batch.gen_h)
+        stops = [row.stop_at for row in self.rows]
+        if not self.freeze and None not in stops:
+            return min(max(stops), max(row.max_new for row in self.rows))
+        return max(row.gen for row in self.rows)
 
     def fill_stats(self, stats, new: int) -> None:
         """generate()'s DecodingStats: per row, and the gate's decisions per cycle."""
         stats.cycles, stats.k_per_cycle, stats.draft_passes = self.cycles, self.k_per_cycle, self.draft_passes
         stats.drafter_per_cycle = self.drafter_per_cycle
-        stats.drafted, stats.accepted, stats.row_cycles = self.drafted, self.accepted, self.row_cycles
-        stats.committed = [min(g, new) for g in self.batch.gen_h]
+        stats.drafted, stats.accepted = [row.drafted for row in self.rows], [row.accepted for row in self.rows]
+        stats.row_cycles = [row.cycles for row in self.rows]
+        stats.committed = [min(row.gen, new) for row in self.rows]
         stats.cache_bytes = self.fwd.cache.nbytes
 
     def sequences(self, idx: list[int], length: int, pad_id: int):
         """[n, length] tokens of rows ``idx`` (prompt and generated), padding past each row's end."""
         seqs = self.batch.tokens[idx, :length].clone()
-        ends = torch.tensor([self.batch.plen_h[r] + self.batch.gen_h[r] for r in idx], device=seqs.device)
+        ends = torch.tensor([self.rows[r].end for r in idx], device=seqs.device)
         return seqs.masked_fill_(torch.arange(length, device=seqs.device) >= ends[:, None], pad_id)
 
 

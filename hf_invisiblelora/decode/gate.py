@@ -19,8 +19,8 @@ standard normals; 0 for one row, 1.4 for 8). The term is measured, not tuned: at
 without it, drafted there at 0.96x of plain steps (docs/benchmarks.md). A serving engine's rows
 are requests that end on their own (``together=False``): there the gate picks the k whose cycle
 commits the batch's tokens at the least time per token, time(k) / sum over rows of mu. Given
-several drafters (drafters.py: by default the base model, its int8 / int4 copies on the CPU and
-prompt lookup), it picks the one whose best k finishes soonest.
+several drafters (drafters.py: by default the base model, its low-precision copies measured faster
+on the CPU and prompt lookup), it picks the one whose best k finishes soonest.
 
 Acceptance is tracked per adapter and drafter (decayed success/trial counts, seeded by a prior,
 pooled over rows and calls; a cheaper drafter, drafters.py, is accepted less often); costs are measured from the cycles themselves (a draft

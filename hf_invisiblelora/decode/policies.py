@@ -33,12 +33,12 @@ GREEDY_BELOW = 1e-5
 
 def _idx(batch, which) -> list[int]:
     """The row indices a pass runs: the first rows (a slice) or some (an index tensor)."""
-    return list(range(*which.indices(len(batch.plen_h)))) if isinstance(which, slice) else which.tolist()
+    return list(range(*which.indices(len(batch.rows)))) if isinstance(which, slice) else which.tolist()
 
 
 def _lengths(batch, idx, offset: int) -> list[int]:
     """The length of each row's context before position 0 of a pass (``offset`` drafts into a cycle)."""
-    return [batch.plen_h[r] + batch.gen_h[r] + offset for r in idx]
+    return [batch.rows[r].end + offset for r in idx]
 
 
 class GeneratePolicy:
@@ -49,7 +49,7 @@ class GeneratePolicy:
 
     def scores(self, batch, which, logits, offset: int, target: bool = False):
         idx = _idx(batch, which)
-        active = [i for i, r in enumerate(idx) if not batch.done_h[r]]
+        active = [i for i, r in enumerate(idx) if batch.rows[r].decoding]
         return process_scores(self.processors, batch.tokens[which], _lengths(batch, idx, offset), logits, active)
 
     def pick(self, scores, batch, which, offset: int):
@@ -178,16 +178,16 @@ class RequestPolicy:
         idx = _idx(batch, which)
         scores = logits.float()
         n, q, v = scores.shape
-        live = [i for i, r in enumerate(idx) if not batch.done_h[r] and self.rows[r] is not None]
+        live = [i for i, r in enumerate(idx) if batch.rows[r].decoding and self.rows[r] is not None]
         if target:
             for i in live:
                 if self.rows[idx[i]].request.logprobs is not None:
-                    self.rows[idx[i]].retained = (batch.gen_h[idx[i]], scores[i].log_softmax(-1))
+                    self.rows[idx[i]].retained = (batch.rows[idx[i]].gen, scores[i].log_softmax(-1))
         for i in live:
             r, row = idx[i], self.rows[idx[i]]
             if row.processors:  # each position's context: the request's prompt and output before it
-                start = batch.plen_h[r] - len(row.request.prompt)
-                end = batch.plen_h[r] + batch.gen_h[r] + offset
+                start = batch.rows[r].plen - len(row.request.prompt)
+                end = batch.rows[r].end + offset
                 scores[i] = torch.cat([_apply(row.processors, batch.tokens[r, start:end + t][None], scores[i, t][None])
                                        for t in range(q)])
         groups = {}
@@ -205,8 +205,8 @@ class RequestPolicy:
             sub = _apply(warpers, None, scores[members].reshape(-1, v)).log_softmax(-1).reshape(len(members), q, v)
             for j, i in enumerate(members):
                 r, row = idx[i], self.rows[idx[i]]
-                start = batch.gen_h[r] + offset
-                row.noise = {p: g for p, g in row.noise.items() if p >= batch.gen_h[r]}  # committed: not needed
+                start = batch.rows[r].gen + offset
+                row.noise = {p: g for p, g in row.noise.items() if p >= batch.rows[r].gen}  # committed: not needed
                 sub[j] += torch.stack([self._gumbel(r, start + t, v) for t in range(q)])
             scores[members] = sub
         return scores
@@ -240,7 +240,7 @@ class RequestPolicy:
             entries = None if row is None else row.prompt
             if entries is None:
                 continue
-            first, end = batch.plen_h[r] - len(row.request.prompt), batch.plen_h[r]
+            first, end = batch.rows[r].plen - len(row.request.prompt), batch.rows[r].plen
             lo, hi = max(start, first), min(start + logits.shape[1], end - 1)  # slot p predicts token p + 1
             if hi <= lo:
                 continue

@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import torch
+
 from ..lora.switch import SWITCHES, bank_inexact
 from ..model.derived import SourceCheck
 from ..model.forward import CompiledForward, EagerForward
@@ -28,6 +30,7 @@ from ..model.walk import BASE
 from ..threads import Contention
 from .decoder import Decoder
 from .drafters import BaseModelDrafter
+from .prompt_lookup import PromptLookupDrafter
 from .gate import Gate, GateMemory
 
 logger = logging.getLogger("hf_invisiblelora")
@@ -41,6 +44,19 @@ def lora_backend(model, adapters, requested: str = "bank") -> str:
         logger.info("hf_invisiblelora: PEFT's own LoRA layers compute the passes (%s).", why)
         return "peft"
     return requested
+
+
+def make_drafters(model, state, dtypes: tuple, vocab=None, size: int | None = None, prompt_lookup: bool = True,
+                  drafting: bool = True) -> list:
+    """The drafters the gate chooses among: one ``BaseModelDrafter`` per draft dtype (``draft_dtypes``'s
+    choices), all with the head on ``vocab`` (token ids, or None), and a ``PromptLookupDrafter``
+    unless ``prompt_lookup`` is off. Not ``drafting`` (gate="never"): the base model as it is alone,
+    whose passes never run, so that no draft copy is made for nothing."""
+    if not drafting:
+        return [BaseModelDrafter(model, state)]
+    vocab = None if vocab is None else torch.as_tensor(vocab)
+    drafters = [BaseModelDrafter(model, state, vocab, d, size=size) for d in dtypes]
+    return drafters + [PromptLookupDrafter()] if prompt_lookup else drafters
 
 
 class Session:

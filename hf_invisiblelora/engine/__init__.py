@@ -1,5 +1,5 @@
 """The continuous-batching serving engine (engine.py): requests (request.py) join free rows
-between cycles (scheduling.py), their tokens are delivered as cycles commit them (rows.py), and
+between cycles (scheduler.py), their tokens are delivered as cycles commit them (rows.py), and
 adapters are loaded, evicted and loaded again within bounds (adapters.py). Builds on decode/;
 serving/ puts HTTP in front of it.
 

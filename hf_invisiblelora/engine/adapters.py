@@ -10,7 +10,7 @@ meanwhile. The model's adapters are never renamed: a reload in place (``replace`
 revision under a key of its own (the name if it is free, else ``name#revision``, which no request
 can name) beside the old one, or, when no row holds the old one and the new config builds the same
 modules (a training loop's next checkpoint), writes the new weights into the old tensors. An old
-revision is kept (``retired``) while rows decode with it, then deleted (the engine queues ``retire``).
+revision is kept (``retired``) while rows decode with it, then deleted between cycles (``retire_unheld``).
 
 Every command either completes or changes nothing: its one model operation comes first (peft_ops.py's
 add, overwrite or remove, each all or nothing: PEFT's order of the other adapters is never touched),
@@ -41,7 +41,7 @@ import re
 from dataclasses import dataclass
 
 from ..decode.checks import check_model
-from ..lora.bank import nonfinite
+from ..lora.stacks import nonfinite
 from ..lora.files import MAX_RANK, AdapterRefused, OutsideRoots, Unreadable, read_adapter
 from ..lora.peft_ops import add_adapter, overwrite_adapter, remove_adapter, same_layout
 from ..model.walk import BASE
@@ -201,6 +201,30 @@ class AdapterManager:
 
     # --- commands (the engine's thread, between cycles) ---
 
+    def serve(self, name: str, files, path: str, roots, inplace: bool, resolved: bool, held, running, waiting):
+        """The engine's load command: ``files`` (read from ``path``) as the new name ``name``, or with
+        ``inplace`` as a new revision of a served one (``replace``: ``held``, the keys rows decode with,
+        says whether its current revision must be kept); then past max_cpu_loras an idle adapter is
+        evicted (``fit``: ``running``, ``waiting`` the adapters rows and waiting requests name)."""
+        if name == BASE or name in self and not inplace:
+            raise AdapterExists(f"An adapter named {name!r} is already served (or reserved).")
+        if name in self:
+            self.replace(name, files, path, roots, held=self.served[name].key in held)
+        else:
+            self.add(name, files, path, roots, resolved)
+        self.fit(name, running, waiting, idle=True)
+
+    def unload(self, name: str, busy: int) -> None:
+        """The engine's unload command: ``name`` no longer served; refused while ``busy`` requests use
+        it, and for the last adapter loaded (a PEFT model keeps one)."""
+        if name not in self:
+            raise UnknownAdapter(f"No adapter named {name!r} is served; served: {self.names()}.")
+        if self.loaded(name) and len(self.model.peft_config) == 1:
+            raise LastAdapter(f"{name!r} is the last adapter loaded; a PEFT model keeps at least one.")
+        if busy:
+            raise AdapterBusy(f"Adapter {name!r} is in use by {busy} request(s); unload it when they are done.")
+        self.forget(name)
+
     def add(self, name: str, files, path: str, roots=None, resolved: bool = False) -> None:
         """Serve the read adapter ``files`` as the new name ``name`` (from folder ``path``)."""
         key = self._load(name, 0, files)
@@ -233,6 +257,22 @@ class AdapterManager:
             self.retired.add(old)
             if not held:
                 self.retire(old)
+
+    def retirable(self, held) -> bool:
+        """Whether an old revision is kept that no row decodes with any more (``held``: the keys rows hold)."""
+        return any(key not in held for key in self.retired)
+
+    def retire_unheld(self, held) -> bool:
+        """Delete the old revisions no row holds (``held``); whether one was. A deletion that fails is
+        logged, and the revision stays in the model unused (serving goes on)."""
+        done = [key for key in self.retired if key not in held]
+        for key in done:
+            try:
+                self.retire(key)
+            except Exception:  # noqa: BLE001 - the engine serves on
+                logger.exception("hf_invisiblelora engine: deleting old revision %r failed", key)
+                self.retired.discard(key)
+        return bool(done)
 
     def retire(self, key: str) -> None:
         """Delete an old revision (no row decodes with it any more)."""

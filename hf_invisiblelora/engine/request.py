@@ -64,7 +64,7 @@ class Request:
     token's raw log-probability (``Handle.logprobs``); ``prompt_logprobs`` likewise for each prompt
     token after the first (``Handle.prompt_logprobs``, vLLM's). ``on_tokens(tokens)``, if given, is
     called (on the engine's thread) with each chunk of committed tokens; returning True stops the
-    request there (stop strings). ``grammar``: an xgrammar CompiledGrammar (decode/grammar.py:
+    request there (stop strings). ``grammar``: an xgrammar CompiledGrammar (serving/grammars.py:
     ``Grammars.compile``) the output must follow: each token is chosen among the tokens it allows
     (its mask before temperature, top-k, top-p and min-p, as a logits processor in generate()), and
     the output ends where the grammar ends, with one of the request's stop tokens."""

@@ -52,7 +52,7 @@ class Rows:
         left = {}
         for r, h in self.taken():
             if h.request.adapter != BASE:
-                left[h.request.adapter] = max(left.get(h.request.adapter, 0), decoder.remaining(r))
+                left[h.request.adapter] = max(left.get(h.request.adapter, 0), decoder.rows[r].left)
         return left
 
     def prefilled(self, decoder, group: list, committed: list[int]) -> None:
@@ -83,7 +83,7 @@ class Rows:
                 if tokens:
                     top = h.request.logprobs
                     logprobs = () if top is None else \
-                        self.policy.token_logprobs(r, decoder.generated(r) - len(tokens), tokens, top)
+                        self.policy.token_logprobs(r, decoder.rows[r].gen - len(tokens), tokens, top)
                     try:
                         stop = h._put(tokens, logprobs)
                     except Exception as e:  # noqa: BLE001 - the request's own callback failed: only it ends
@@ -101,7 +101,7 @@ class Rows:
     def release(self, decoder, r: int, reason: str, error: str | None = None) -> None:
         """Row r's request ends (``reason``); the row is freed for the next one."""
         h = self.handles[r]
-        h.drafted, h.accepted = decoder.drafted[r], decoder.accepted[r]
+        h.drafted, h.accepted = decoder.rows[r].drafted, decoder.rows[r].accepted
         self.pool.touch(h.request.adapter)
         if reason != "error":
             self.ended(decoder, r, h)
@@ -132,5 +132,5 @@ class Rows:
         finally:  # the requests learn they failed even if the reset fails (and with it the engine)
             for r, h in involved:
                 if h is not None:
-                    h.drafted, h.accepted = decoder.drafted[r], decoder.accepted[r]
+                    h.drafted, h.accepted = decoder.rows[r].drafted, decoder.rows[r].accepted
                     h._finish("error", message)

@@ -98,7 +98,7 @@ def shrink(ops, layer, x, x2, meta):
 
 
 def packed_delta(layer, x, x2, out, meta, round_delta: bool) -> None:
-    """out += each token's LoRA delta from the active slots' packed weights (bank._Packed):
+    """out += each token's LoRA delta from the active slots' packed weights (stacks.Packed):
     y = (x @ A) masked to the columns of the token's own slot; out += y @ B. Three ops per layer
     whatever the number of adapters, and each active adapter's weights read once at its rank.
     Its arithmetic grows with tokens x active ranks: for the few tokens of decode steps.

@@ -57,7 +57,6 @@ from .layout import RowLayout
 from .walk import BASE
 
 logger = logging.getLogger("hf_invisiblelora")
-COMPILE_OPTIONS = ("auto", True, False)
 
 
 def model_pass(model, cache: SharedCache, masks, position_ids, ids, keep: int):
@@ -109,8 +108,6 @@ def backend_for(option, device: torch.device, dtype: torch.dtype, lora_backend: 
     the CPU, where compiling a pass of a real model takes a minute or more (see docs/benchmarks.md):
     pass ``compile=True`` to pay it once for a long-running server.
     """
-    if option not in COMPILE_OPTIONS:
-        raise ValueError(f"compile must be one of {COMPILE_OPTIONS}, got {option!r}.")
     if option is False or (option == "auto" and device.type != "cuda"):
         return None
     if lora_backend != "bank":
@@ -261,6 +258,8 @@ class CompiledForward:
                 masks, position_ids = self.layout.inputs()
                 return model_pass(self.model, self.cache, masks, position_ids, ids, keep)
         # Rows 0..b-1 (the others ride along on what their buffers hold) over the whole bucket.
+        if drafter is not None:
+            drafter.ready()
         if q not in bucket.ids:
             bucket.ids[q] = ids.new_zeros(self.size, q)
         bucket.ids[q][:b] = ids

@@ -51,11 +51,6 @@ SAMPLE_EVERY = 3  # the layers timed: every third in the model's order
 NEVER = 1 << 62
 
 
-def check_mode(mode) -> None:
-    if not (mode is True or mode is False or isinstance(mode, str) and mode == "auto"):
-        raise ValueError(f"prepack must be 'auto', True or False, got {mode!r}.")
-
-
 def _eligible(m) -> bool:
     """A plain Linear whose forward is only F.linear of its weight: not routed by anyone else (an
     accelerate hook sets ``forward``), no pre-hook that recomputes its weight (pruning), a plain
@@ -134,7 +129,6 @@ class PackedLinears:
     KIND = "packed"
 
     def __init__(self, model, state, mode="auto", check: SourceCheck | None = None):
-        check_mode(mode)
         self.mode, self.copies = mode, {}
         modules = [m for m in linears(model) if _eligible(m)] if mode is not False else []
         if modules and mode == "auto":

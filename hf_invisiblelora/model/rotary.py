@@ -166,7 +166,7 @@ class Recompute:
         return limit, next_token
 
     def before_verify(self, fwd, batch) -> None:
-        at = [r for r in batch.active if not self.done[r] and batch.plen_h[r] + batch.gen_h[r] - 1 == self.slot]
+        at = [r for r in batch.active if not self.done[r] and batch.rows[r].end - 1 == self.slot]
         if not at:
             return
         idx = torch.tensor(at, device=batch.tokens.device)

@@ -12,7 +12,8 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine.adapters import check_name
 from ..engine.engine import AdapterBusy, AdapterExists, LastAdapter, NotRunning, UnknownAdapter
-from .protocol import ApiError, adapter_refused, bad, json_body, show
+from .errors import ApiError, adapter_refused, bad, show
+from .protocol import json_body
 
 logger = logging.getLogger("hf_invisiblelora.serve")
 

@@ -13,13 +13,14 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from ..decode.grammar import MAX_PENDING
+from .grammars import MAX_PENDING
 from .admin import AdapterAdmin
 from .bridge import Job
 from .completions import Completions
 from .front_door import REQUEST_ID, FrontDoor, require_key
 from .metrics import Metrics
-from .protocol import MAX_BODY_BYTES, ApiError, internal_error, not_found, shutting_down
+from .errors import ApiError, internal_error, not_found, shutting_down
+from .protocol import MAX_BODY_BYTES
 from .structured import GRAMMAR_COMPILE_TIMEOUT, make_grammars
 from .text import prompt_chars_bound
 

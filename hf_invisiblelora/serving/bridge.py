@@ -36,7 +36,7 @@ class Job:
         self.shown = 0  # tokens the event loop has been handed (usage so far)
         # (when the first chunk came, when the last did, tokens after the first chunk): time per output token
         self.token_times = None
-        self.tools = None  # a chat's tool calls read from the text (structured.ToolCalls), set by the caller
+        self.tools = None  # a chat's tool calls read from the text (tool_calls.ToolCalls), set by the caller
         self.handle = server.engine.submit(request)  # ValueError for a bad request
         server.in_flight[request.id] = self
         threading.Thread(target=self._pump, name=f"hf_invisiblelora-request-{request.id}", daemon=True).start()

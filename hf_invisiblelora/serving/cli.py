@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
 
+import torch
 import uvicorn
 from starlette.concurrency import run_in_threadpool
 
-from ..decode.grammar import MAX_PENDING
-from ..lora.files import MAX_RANK
+from ..options import DRAFT_DTYPES, GATES, PREFILL_CHUNK, PREPACK, Limits, Options
 from .admin import missing
+from .grammars import MAX_PENDING
 from .app import Server, build_app
 from .protocol import MAX_BODY_BYTES
 from .structured import GRAMMAR_COMPILE_TIMEOUT
@@ -107,15 +109,27 @@ def parse_lora(text: str) -> tuple[str, str]:
     return name, path
 
 
-def draft_dtypes(names):
-    """--draft-dtype's values as Engine(draft_dtype=) takes them: "auto", None, a dtype, or a tuple of
-    choices (float32: the model's own precision, None)."""
-    import torch
+LIMITS, OPTIONS = Limits(), Options()  # the defaults
+PREPACK_FLAGS = dict(zip(("auto", "on", "off"), PREPACK))  # --prepack's words for options.PREPACK
+DRAFT_DTYPE_NAMES = ("auto", "float32", *(str(d).removeprefix("torch.") for d in DRAFT_DTYPES))
 
-    if not names or names == ["auto"]:
-        return "auto"
-    dtypes = tuple(None if n == "float32" else getattr(torch, n) for n in names)
-    return dtypes[0] if len(dtypes) == 1 else dtypes
+
+def engine_arguments(args: argparse.Namespace) -> dict:
+    """The Engine's decoding options and bounds from ``args`` (options.Options and Limits: checked
+    there, a ValueError naming the option)."""
+    names = args.draft_dtype
+    dtypes = tuple(None if n == "float32" else getattr(torch, n) for n in names if n != "auto")
+    if "auto" in names and names != ["auto"]:
+        raise ValueError(f"--draft-dtype auto stands alone, got {' '.join(names)}.")
+    options = Options(num_draft_tokens=args.num_draft_tokens, gate=args.gate, compile=False,
+                      draft_dtype="auto" if not dtypes else dtypes[0] if len(dtypes) == 1 else dtypes,
+                      prompt_lookup=args.prompt_lookup == "on", prepack=PREPACK_FLAGS[args.prepack])
+    limits = Limits(max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, max_loras=args.max_loras,
+                    max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
+                    prefill_chunk=PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk or None,
+                    prefix_caching=args.enable_prefix_caching, prefix_cache_bytes=args.prefix_cache_bytes)
+    taken = {f: getattr(options, f) for f in Options.names() if f not in ("lora_backend", "compile")}
+    return {**taken, **dataclasses.asdict(limits)}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -134,20 +148,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the base model's id in the API (default: --model as given, or the zoo name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch", type=int, default=8, help="rows decoded together")
-    p.add_argument("--max-len", type=int, default=1024, help="cache slots per row: prompt + max_tokens + drafts + 1")
-    p.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a row before 429")
+    p.add_argument("--max-batch", type=int, default=LIMITS.max_batch, help="rows decoded together")
+    p.add_argument("--max-len", type=int, default=LIMITS.max_len,
+                   help="cache slots per row: prompt + max_tokens + drafts + 1")
+    p.add_argument("--max-queue", type=int, default=LIMITS.max_queue, help="requests waiting for a row before 429")
     p.add_argument("--max-loras", type=int, help="the most distinct adapters in one pass (default: no bound)")
     p.add_argument("--max-cpu-loras", type=int,
-                   help="the most adapters kept loaded; idle ones are evicted LRU and loaded again on demand "
-                        "(default: no bound)")
-    p.add_argument("--max-lora-rank", type=int, default=MAX_RANK,
+                   help="the most adapters kept loaded, resolved ones included; idle ones are evicted LRU and loaded "
+                        "again on demand (default: --max-loras, else --max-batch, or the adapters given and one more)")
+    p.add_argument("--max-lora-rank", type=int, default=LIMITS.max_lora_rank,
                    help="the largest rank of an adapter loaded while serving, checked before anything is allocated "
                         "for it (vLLM's --max-lora-rank)")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="the most tokens drafted per cycle (K)")
+    p.add_argument("--num-draft-tokens", type=int, default=OPTIONS.num_draft_tokens,
+                   help="the most tokens drafted per cycle (K)")
     p.add_argument("--prefill-chunk", type=int,
                    help="the most prompt tokens one prefill pass takes (rows x tokens; default: the engine's, "
-                        "engine.PREFILL_CHUNK); "
+                        f"{PREFILL_CHUNK}); "
                         "longer prompts are prefilled in chunks, one between two decoding cycles (0: every prompt "
                         "in one pass)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -157,18 +173,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-bytes", type=int,
                    help="the most bytes of cached prompt blocks, least recently used evicted first (default: 1 GiB, "
                         "at most a quarter of the memory available at start)")
-    p.add_argument("--gate", default="auto", choices=("auto", "always", "never"))
-    p.add_argument("--draft-dtype", nargs="+", default=["auto"],
-                   choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
+    p.add_argument("--gate", default=OPTIONS.gate, choices=GATES)
+    p.add_argument("--draft-dtype", nargs="+", default=["auto"], choices=DRAFT_DTYPE_NAMES,
                    help="the drafter's linear layers in this dtype (int8 / int4: weight-only, the CPU); several "
                         "(e.g. float32 int8 int4; float32: the model's own precision): the gate picks one per cycle; "
-                        "auto (default): float32 int8 int4 on the CPU where the copies fit in memory, else float32")
+                        "auto (default): float32 and the copies measured faster on this CPU, where they fit in memory")
     p.add_argument("--prompt-lookup", default="on", choices=("on", "off"),
                    help="also draft by prompt lookup (what followed an earlier occurrence of a request's last tokens "
                         "in its prompt and output; no model pass), among the drafters the gate picks from")
-    p.add_argument("--prepack", default="auto", choices=("auto", "on", "off"),
-                   help="float32 linear layers on weight copies prepacked for oneDNN (the CPU: faster matmuls, the "
-                        "weights' size again in memory); auto: where the copies fit in half the memory available")
+    p.add_argument("--prepack", default="auto", choices=tuple(PREPACK_FLAGS),
+                   help="float32 linear layers on weight copies prepacked for oneDNN (the CPU; the weights' size again "
+                        "in memory); auto: each layer from the tokens where its copy was measured faster on this CPU, "
+                        "where the copies fit in half the memory available")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: OMP_NUM_THREADS, else the free CPUs)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -209,19 +225,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--grammar-compile-timeout must be in (0, 3600] seconds")
     if args.max_pending_grammars < 1:
         p.error("--max-pending-grammars must be >= 1")
-    if any(v is not None and v < 1 for v in (args.max_loras, args.max_cpu_loras, args.max_lora_rank)):
-        p.error("--max-loras, --max-cpu-loras and --max-lora-rank must be >= 1")
-    if args.prefix_cache_bytes is not None and args.prefix_cache_bytes < 1:
-        p.error("--prefix-cache-bytes must be >= 1")
     if args.prefill_chunk is not None and args.prefill_chunk < 0:
         p.error("--prefill-chunk must be >= 0 (0: whole prompts)")
+    try:
+        engine_arguments(args)
+    except ValueError as e:  # the option's own words; the command line spells it --option-name
+        p.error(f"{e}".replace("_", "-"))
     return args
 
 
 def build_server(args: argparse.Namespace) -> Server | int:
     """The Server of ``args`` (the model and adapters loaded, the engine started), or the exit code of
     what is missing (printed)."""
-    from ..engine.engine import PREFILL_CHUNK, Engine
+    from ..engine.engine import Engine
     from ..threads import set_threads
 
     problems = [missing(f"--lora {name}={path}", path, "adapter_config.json", "a PEFT adapter folder")
@@ -254,14 +270,8 @@ def build_server(args: argparse.Namespace) -> Server | int:
         model.delete_adapter(name)  # more zoo adapters than --max-cpu-loras: loaded again on demand
     if model_id in model.peft_config:
         raise SystemExit(f"error: an adapter is named like the base model ({model_id!r}); use --served-model-name")
-    engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, num_draft_tokens=args.num_draft_tokens,
-                    gate=args.gate, max_queue=args.max_queue, max_loras=args.max_loras,
-                    max_cpu_loras=args.max_cpu_loras, adapter_paths=adapter_paths,
-                    draft_dtype=draft_dtypes(args.draft_dtype), prompt_lookup=args.prompt_lookup == "on",
-                    prepack={"auto": "auto", "on": True, "off": False}[args.prepack],
-                    prefill_chunk=PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk or None,
-                    max_lora_rank=args.max_lora_rank, prefix_caching=args.enable_prefix_caching,
-                    prefix_cache_bytes=args.prefix_cache_bytes, lora_resolver_dirs=args.lora_resolver_dir).start()
+    engine = Engine(model, **engine_arguments(args), adapter_paths=adapter_paths,
+                    lora_resolver_dirs=args.lora_resolver_dir).start()
     lora_roots = [os.path.realpath(root) for root in args.lora_root]
     return Server(engine, tokenizer, model_id, root, api_key=args.api_key,
                   runtime_updates=args.allow_runtime_lora_updating, lora_roots=lora_roots,

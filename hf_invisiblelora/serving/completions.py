@@ -15,8 +15,10 @@ from ..engine.engine import AdapterUnsupported, NotRunning, PromptTooLong, Queue
 from ..lora.files import AdapterRefused
 from ..model.walk import BASE
 from .bridge import ClientGone, Completion, Job
-from .protocol import ApiError, Sampling, adapter_refused, bad, internal_error, json_body, not_found, show
-from .structured import ToolCalls, compile_constraint, message_tool_calls
+from .errors import ApiError, adapter_refused, bad, internal_error, not_found, show
+from .protocol import Sampling, json_body
+from .structured import compile_constraint, message_tool_calls
+from .tool_calls import ToolCalls
 from .text import Stops
 
 logger = logging.getLogger("hf_invisiblelora.serve")

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.datastructures import MutableHeaders
 
-from .protocol import ApiError, shutting_down
+from .errors import ApiError, shutting_down
 
 if TYPE_CHECKING:  # app.py imports this module
     from .app import Server

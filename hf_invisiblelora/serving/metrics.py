@@ -89,7 +89,7 @@ class Metrics:
         yield GaugeMetricFamily("hf_invisiblelora_queue_length", "Requests waiting for a row.",
                                 value=self.engine.queue_length())
         yield GaugeMetricFamily("hf_invisiblelora_running_rows", "Rows decoding a request.", value=self.engine.running())
-        yield GaugeMetricFamily("hf_invisiblelora_max_batch", "Rows of the engine.", value=self.engine.max_batch)
+        yield GaugeMetricFamily("hf_invisiblelora_max_batch", "Rows of the engine.", value=self.engine.limits.max_batch)
         for key, doc in (("drafted", "Draft tokens proposed for finished requests, per adapter."),
                          ("accepted", "Draft tokens the verify pass kept for finished requests, per adapter.")):
             family = CounterMetricFamily(f"hf_invisiblelora_{key}_tokens", doc, labels=["adapter"])
@@ -97,7 +97,7 @@ class Metrics:
                 family.add_metric([name], value)
             yield family
         hist = m.get("k_hist", {})
-        top = max([self.engine.num_draft_tokens, *hist])
+        top = max([self.engine.options.num_draft_tokens, *hist])
         buckets, total = [], 0
         for k in range(top + 1):
             total += hist.get(k, 0)
@@ -120,7 +120,7 @@ class Metrics:
                 ("vllm:num_requests_running", "Number of requests in model execution batches.", engine.running()),
                 ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", engine.queue_length()),
                 ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                 engine.running() / engine.max_batch)):
+                 engine.running() / engine.limits.max_batch)):
             family = GaugeMetricFamily(name, doc, labels=labels)
             family.add_metric(list(self.vllm.values()), value)
             yield family
@@ -133,7 +133,7 @@ class Metrics:
             yield family
         family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
                                    labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"])
-        family.add_metric([",".join(running), str(engine.max_loras or engine.max_batch), ",".join(waiting)], time.time())
+        family.add_metric([",".join(running), str(engine.limits.max_loras or engine.limits.max_batch), ",".join(waiting)], time.time())
         yield family
 
     def render(self) -> tuple[bytes, str]:

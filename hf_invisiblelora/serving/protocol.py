@@ -1,5 +1,5 @@
-"""The API's side of a request: OpenAI error objects, request bodies read safely, and the
-parameters of a completion or chat request validated (every field honoured, neutral or refused).
+"""The API's side of a request: request bodies read safely, and the parameters of a completion or
+chat request validated (every field honoured, neutral or refused; errors.py's objects say why).
 """
 
 from __future__ import annotations
@@ -9,68 +9,14 @@ import math
 
 from starlette.concurrency import run_in_threadpool
 
-from ..engine.adapters import AdapterUnsupported
 from ..engine.engine import Request
-from ..lora.files import OutsideRoots, Unreadable
+from . import structured
+from .errors import ApiError, bad, show
 
 MAX_STOP_STRINGS = 16
 MAX_BODY_BYTES = 4 * 2**20  # --max-body-bytes: room for a 1 MB prompt, or a list of a million token ids
 MAX_JSON_DEPTH = 32  # the requests' own bodies are 5 deep (messages, content parts)
 MAX_INT_DIGITS = 20  # 2**64, one past the largest seed, has 20
-
-
-# --- errors ---
-
-
-class ApiError(Exception):
-    """An OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status.
-    ``cause``: an unexpected exception behind it, logged with the request id (its text is never in
-    the body, which says what is wrong in our words)."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None, cause: BaseException | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers, self.cause = headers, cause
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def adapter_refused(error: Exception, param: str) -> ApiError:
-    """The 4xx of an adapter folder the engine would not load (``param``: the field that named it):
-    403 for files outside the folders adapters are read from, 400 for what is missing, malformed or
-    not servable (the engine's own words), and for PEFT's errors on files made for another model."""
-    if isinstance(error, Unreadable):  # its message is ours: what is missing or malformed
-        return ApiError(400, f"Could not load the PEFT adapter in `{param}`: {error}.", param=param,
-                        code="adapter_load_failed")
-    if isinstance(error, OutsideRoots):  # a file, or the folder swapped since a check
-        return ApiError(403, f"The adapter's files must be inside the folders this server loads adapters from: "
-                        f"{error}.", param=param, code="lora_path_not_allowed")
-    if isinstance(error, AdapterUnsupported):  # its message is ours: what cannot be served, and why
-        return ApiError(400, f"This server cannot serve the adapter: {error}", param=param, code="adapter_unsupported")
-    return ApiError(400, f"Could not load the PEFT adapter in `{param}` onto this base model (its files are "
-                    "incomplete, or made for another model).", param=param, code="adapter_load_failed", cause=error)
-
-
-def not_found(model: str) -> ApiError:
-    return ApiError(404, f"The model {show(model)} does not exist.", param="model", code="model_not_found")
-
-
-def internal_error(request_id: str) -> ApiError:
-    return ApiError(500, f"Internal error (request id {request_id}); the server's log has the details.",
-                    type="server_error", code="internal_error")
-
-
-def shutting_down() -> ApiError:
-    return ApiError(503, "The server is shutting down; retry later or elsewhere.", type="server_error",
-                    code="server_shutting_down", headers={"Connection": "close"})
-
-
-def show(value) -> str:
-    """A client's value as error messages quote it: its repr, cut short (a value can be megabytes)."""
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 # --- request bodies ---
@@ -155,10 +101,6 @@ def parse_json(raw: bytes) -> dict:
 
 
 # --- request parameters ---
-
-
-def bad(param: str, message: str) -> ApiError:
-    return ApiError(400, message, param=param, code="invalid_value")
 
 
 def _number(body: dict, name: str, default, *, integer: bool = False):
@@ -313,8 +255,6 @@ class Sampling:
         """``constraint``: what the output is compiled to (a structured.Constraint), from at most one
         of response_format, structured_outputs, guided_* and a chat's tool_choice required / named;
         ``tools``: a chat's tools (structured.Tools), or None."""
-        from . import structured  # it uses this module's errors
-
         constraints = structured.output_constraints(body)
         self.tools = structured.parse_tools(body) if chat else None
         if self.tools is not None and self.tools.constraint is not None:

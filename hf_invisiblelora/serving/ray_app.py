@@ -38,7 +38,8 @@ from ray import serve
 from starlette.exceptions import HTTPException
 
 from . import cli
-from .protocol import MAX_BODY_BYTES, ApiError, parse_json
+from .errors import ApiError
+from .protocol import MAX_BODY_BYTES, parse_json
 
 logger = logging.getLogger("hf_invisiblelora.serve")
 
