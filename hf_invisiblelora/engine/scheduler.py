@@ -41,8 +41,8 @@ PREFIX_CACHE_BYTES = 1 << 30
 # and attention run every row over the chunk's width), which costs more than the pass of its own it
 # saves once the rectangle is large. Measured on SmolLM2 on a 2-core CPU (benchmarks/bench_fold.py;
 # docs/benchmarks.md, "One pass per engine cycle"): 8 rows x 4-16 slots, 4 x 16 and 2 x 8-32 folded
-# 1-29% cheaper than a cycle plus a prefill of its own, 8 x 48 40% dearer. A larger chunk takes a
-# pass of its own.
+# 1-29% cheaper than a cycle plus a prefill of its own, 8 x 48 40% dearer (an AMD EPYC; on an Intel
+# Xeon with AMX 8 x 8 and 4 x 16 13-17% cheaper, 8 x 48 23% dearer). A larger chunk takes a pass of its own.
 FOLD_SLOTS = 128
 
 
