@@ -122,7 +122,7 @@ class Drafter(Protocol):
 
     def learn(self, batch, hi: int, accepted: list[int]) -> None: ...
 
-    def ready(self) -> None: ...  # a drafter with passes: its routes made now (before a compiled pass traces them)
+    def ready(self) -> None: ...  # a drafter with passes: its copies made now, outside the timed (or compiled) pass
 
 
 class BaseModelDrafter:
@@ -191,7 +191,8 @@ class BaseModelDrafter:
             yield self
 
     def ready(self) -> None:
-        """Make (or check) the copies now: a compiled draft pass cannot hash them while it traces."""
+        """Make (or check) the copies now (Decoder.cycle, before a draft pass): not inside the pass the
+        gate times, nor inside a compiled pass, which cannot hash them while it traces."""
         for _, route in self._routed.values():
             route.ready()
 

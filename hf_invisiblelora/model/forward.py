@@ -258,8 +258,6 @@ class CompiledForward:
                 masks, position_ids = self.layout.inputs()
                 return model_pass(self.model, self.cache, masks, position_ids, ids, keep)
         # Rows 0..b-1 (the others ride along on what their buffers hold) over the whole bucket.
-        if drafter is not None:
-            drafter.ready()
         if q not in bucket.ids:
             bucket.ids[q] = ids.new_zeros(self.size, q)
         bucket.ids[q][:b] = ids
