@@ -189,7 +189,10 @@ def test_echo_logprobs_streamed_as_whole(client):
     chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
     tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     values = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
-    assert tokens == whole.logprobs.tokens and values == whole.logprobs.token_logprobs
+    assert tokens == whole.logprobs.tokens and values[0] is whole.logprobs.token_logprobs[0] is None
+    # A token's log-probability comes from the pass that chose it (a plain step, or a verify pass over
+    # several positions when the gate drafted), so two runs agree to float rounding, not bit for bit.
+    assert values[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-5)
     assert "".join(c.choices[0].text for c in chunks) == whole.text
 
 
