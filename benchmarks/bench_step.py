@@ -117,7 +117,12 @@ class Setup:
         session = self.sessions[compiled, drafter]
         ids, fwd = self.next[:, :q], session.fwd
         passed = None if lora_on else session.drafters[0]
-        return lambda: fwd(ids, self.start, CONTEXT + q, keep=q, drafter=passed)
+
+        def step():
+            if passed is not None:
+                passed.ready()  # its copies made before the pass, as Decoder.cycle has them (a no-op once made)
+            return fwd(ids, self.start, CONTEXT + q, keep=q, drafter=passed)
+        return step
 
     def drafted(self, name: str):
         """(context, step): a draft pass with one of the cheaper drafters."""

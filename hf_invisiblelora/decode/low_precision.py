@@ -106,8 +106,9 @@ def low_precision_linear(weight: torch.Tensor, bias, dtype):
     if dtype == torch.int4 and in_features % INT4_GROUP == 0 and out_features % 16 == 0:
         groups = w.reshape(out_features, -1, INT4_GROUP)
         lo, hi = groups.amin(-1), groups.amax(-1)
-        scales = (hi - lo).clamp(min=1e-12) / 15
-        q = ((groups - lo[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.int32).reshape(w.shape)
+        scales = (hi - lo).clamp_(min=1e-12).div_(15)
+        # In place after the first: a first call makes these copies of every layer (half its extra time).
+        q = (groups - lo[..., None]).div_(scales[..., None]).round_().clamp_(0, 15).to(torch.int32).reshape(w.shape)
         packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
         # The kernel's dequantization: (q - 8) * scale + zero, so zero = lo + 8 * scale. [groups, out, 2]
         scale_zero = torch.stack([scales, lo + 8 * scales], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
@@ -119,7 +120,7 @@ def low_precision_linear(weight: torch.Tensor, bias, dtype):
         return int4
     if dtype == torch.int8 and in_features % INT8_WIDTH == 0:
         scale = w.abs().amax(1).clamp(min=1e-12) / 127
-        q = (w / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
+        q = (w / scale[:, None]).round_().clamp_(-128, 127).to(torch.int8)
         scale = scale.to(torch.bfloat16)
 
         def int8(x):

@@ -37,16 +37,18 @@ def forward(bank, m, layer, x, *args, **kwargs):
         out = base(x, *args, **kwargs)
     else:  # a plain Linear: skip the module call (about 210 of these per step); a torchao weight computes F.linear
         out = nn.functional.linear(x, base.weight, base.bias)
-    embedding = isinstance(m, LoraEmbedding)  # its input is token ids
-    if layer is None and not embedding or p.drafter is not None or p.adapters is None or m.disable_adapters:
-        return out  # no LoRA here: no adapter in this layer, a draft pass, or PEFT's adapters disabled
+    if p.drafter is not None or p.adapters is None or m.disable_adapters:
+        return out  # no LoRA here: a draft pass, or PEFT's adapters disabled
+    embedding = layer is None and isinstance(m, LoraEmbedding)  # its input is token ids
+    if layer is None and not embedding:
+        return out  # no adapter in this layer
     # Tokens in row order: row b's tokens are consecutive (a ragged pass: its real tokens only).
     real = real_tokens(p, x)
     x2 = x[real] if real is not None else x.reshape(-1) if embedding else x.reshape(-1, x.shape[-1])
     meta = bank.meta_for(p.adapters, x2.shape[0], None if real is None else p.lens)
     if meta is None or meta.no_lora:
         return out
-    if not embedding and not meta.static and not any(layer.ranks[s] for s in meta.active_slots):
+    if not embedding and not meta.static and layer.live.isdisjoint(meta.active_slots):
         return out  # none of the pass's adapters has weights here (a model holds more adapters than a pass uses)
     if real is not None:  # the delta of the real tokens, then back in their places
         flat = out[real]

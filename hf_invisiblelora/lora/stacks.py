@@ -136,6 +136,7 @@ class Stacks:
         self.A = laid_out(torch.zeros(len(names), r_max, m.in_features, **like), transposed)
         self.B = laid_out(torch.zeros(len(names), m.out_features, r_max, **like), transposed)
         self.ranks = [ranks.get(a, 0) for a in names]  # per slot, 0 where absent
+        self.live = frozenset(s for s, r in enumerate(self.ranks) if r)  # the slots with weights here
         self.packs = Packs()
         self.group, self.cols = None, (0, r_max)
         self.rounds = rounds_delta(m)  # the layer rounds its LoRA terms also for one adapter (quantized.py)
