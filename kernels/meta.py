@@ -55,6 +55,7 @@ class LoraMeta:
     # Per-forward values derived from token_slots (e.g. the packed path's column masks): never carried over.
     masks: dict = field(default_factory=dict)
     active_slots: tuple | None = None  # host copy of active
+    path: str | None = None  # the torch path this forward takes, once chosen (the bank's: lora/layer.py)
     static: bool = False  # shapes fixed: all slots and all tokens take part; see make_meta
 
     @property

@@ -26,7 +26,7 @@ ADAPTERS = {
 @pytest.fixture(autouse=True, params=["packed", "gathered"])
 def path(request, monkeypatch):
     """Every test on both torch paths: the packed one (decode steps) and the gathered one (prefills)."""
-    monkeypatch.setattr(lora_layer, "PACKED_WASTE", 10**9 if request.param == "packed" else -1)
+    monkeypatch.setattr(lora_layer, "FORCE_PATH", request.param)
     return request.param
 
 

@@ -98,7 +98,7 @@ def assert_rows_equal(batch, rows):
 @pytest.fixture(params=["packed", "gathered"])
 def path(request, monkeypatch):
     """Both torch paths: the packed one (decode steps) and the gathered one (prefills)."""
-    monkeypatch.setattr(lora_layer, "PACKED_WASTE", 10**9 if request.param == "packed" else -1)
+    monkeypatch.setattr(lora_layer, "FORCE_PATH", request.param)
 
 
 def bank_logits(model, ids, names, mixed=True, draft=False):

@@ -168,14 +168,14 @@ def quantized(saved, kind: str, dtype):
 
 @pytest.mark.parametrize("kind", [*TORCHAO, *BNB])
 @pytest.mark.parametrize("mixed", [True, False])
-@pytest.mark.parametrize("waste", [-1, 10**9])
-def test_layer_adds_the_lora_term_as_peft(saved, kind, mixed, waste, monkeypatch):
-    """One quantized LoRA layer through the bank, bit for bit PEFT's, on both torch paths (``waste``:
+@pytest.mark.parametrize("path", ["gathered", "packed"])
+def test_layer_adds_the_lora_term_as_peft(saved, kind, mixed, path, monkeypatch):
+    """One quantized LoRA layer through the bank, bit for bit PEFT's, on both torch paths (``path``:
     gathered, packed): the base output of the layer's own forward, the LoRA term (float32 adapters
     on a bfloat16 model) rounded before it is added or not, as PEFT's layer type does with and
     without adapter_names. The adapters' values make their terms exact in float32 in any order, so
     only that rounding could differ."""
-    monkeypatch.setattr(lora_layer, "PACKED_WASTE", waste)
+    monkeypatch.setattr(lora_layer, "FORCE_PATH", path)
     model = quantized(saved, kind, torch.bfloat16)
     m = model.get_base_model().model.layers[0].self_attn.v_proj  # adapters s, b, d
     g = torch.Generator().manual_seed(0)

@@ -48,7 +48,7 @@ def overflowing(model, name="big"):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("gate", ["never", "always"])
 def test_an_overflowing_adapter_leaves_other_rows_as_stock(monkeypatch, path, dtype, gate):
-    monkeypatch.setattr(lora_layer, "PACKED_WASTE", 10**9 if path == "packed" else -1)
+    monkeypatch.setattr(lora_layer, "FORCE_PATH", path)
     adapters = {"s": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
                 "big": dict(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                "up_proj", "down_proj"]),

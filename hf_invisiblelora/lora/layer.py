@@ -14,14 +14,13 @@ import torch
 from peft.tuners.lora.layer import Embedding as LoraEmbedding
 from torch import nn
 
+from .. import tuning
 from ..kernels import torch_lora
+from ..kernels.meta import make_meta
 from ..model.context import real_tokens
 
-# The packed path (packed_delta) multiplies every token by every active adapter: it is used while
-# tokens x (active adapters - 1), the wasted rows, stay under this. Measured on SmolLM2 with its
-# zoo (2 CPU threads): faster than the gathered path everywhere below it, even at 512 prefill
-# tokens on 12 adapters (a tie there).
-PACKED_WASTE = 4096
+FORCE_PATH = None  # "packed" or "gathered": every pass on that torch path (tests: both are PEFT's numbers)
+SAMPLE_LAYERS = 7  # the LoRA layers a path choice is timed on (a Llama decoder layer's: whole groups)
 
 
 def forward(bank, m, layer, x, *args, **kwargs):
@@ -69,14 +68,67 @@ def _add_delta(bank, m, layer, x, x2, flat, meta, embedding: bool) -> None:
     round_delta = bank.round_delta or layer.rounds
     # DoRA scales the base output too: the delta apart first, in the adapters' dtype.
     delta = torch.zeros(flat.shape, dtype=bank.dtype, device=flat.device) if dora else flat
-    if bank.ops is torch_lora and \
-            (meta.static or x2.shape[0] * (len(meta.active_slots) - 1) <= PACKED_WASTE):
+    if bank.ops is torch_lora and (meta.static or torch_path(bank, meta, x2.shape[0]) == "packed"):
         packed_delta(layer, x, x2, delta, meta, round_delta)
     else:
         y = shrink(bank.ops, layer, x, x2, meta)
         bank.ops.lora_expand(delta, y, layer.B, meta, round_delta=round_delta)
     if dora:
         dora_result(layer, flat, delta, meta, bank.round_delta)
+
+
+def torch_path(bank, meta, tokens: int) -> str:
+    """Which torch path computes a pass of ``tokens`` tokens over ``meta``'s active slots: "packed"
+    (packed_delta: every token times every active adapter, three ops per layer whatever their
+    number) or "gathered" (the shrink / expand ops of kernels/torch_lora.py: each token times its
+    own adapter, in grouped or padded matmuls). Which is faster depends on the CPU, the tokens and
+    the active adapters' ranks (on one Xeon, 2048 prefill tokens over four adapters: packed 0.68x the
+    gathered time at ranks 8-16, 1.05x at 16-64), so it is timed on the bank's own first layers,
+    once per machine for each set of ranks and token count rounded up to a power of two (tuning.py),
+    and kept on the metadata for the pass. One active adapter: packed (nothing is wasted)."""
+    if FORCE_PATH is not None:
+        return FORCE_PATH
+    if meta.path is None:
+        meta.path = "packed" if len(meta.active_slots) < 2 else _measured_path(bank, meta.active_slots, tokens)
+    return meta.path
+
+
+def _measured_path(bank, slots: tuple, tokens: int) -> str:
+    bucket = 1 << max(0, tokens - 1).bit_length()
+    sample = [layer for layer in bank.layers.values() if not layer.dora][:SAMPLE_LAYERS]
+    key = {"tokens": bucket, "layers": [[layer.module.out_features, layer.module.in_features,
+                                         [layer.ranks[s] for s in slots]] for layer in sample]}
+    return tuning.tuned("lora_path", key, lambda: _time_paths(bank, sample, slots, bucket))["path"]
+
+
+def _time_paths(bank, sample, slots: tuple, tokens: int) -> dict:
+    """{"path": the faster, "ms": each one's time over ``sample``} for ``tokens`` tokens in runs of
+    equal length over ``slots`` (rows of a batch), the packed path the reference (tuning.pick)."""
+    per = -(-tokens // len(slots))
+    token_slots = torch.tensor(slots, device=bank.device).repeat_interleave(per)[:tokens]
+    meta = make_meta(token_slots, len(bank.adapter_names))
+    xs = {n: torch.randn(tokens, n, dtype=bank.dtype, device=bank.device)
+          for n in {layer.module.in_features for layer in sample}}
+    outs = {layer: torch.zeros(tokens, layer.module.out_features, dtype=bank.dtype, device=bank.device)
+            for layer in sample}
+    live = [layer for layer in sample if not layer.live.isdisjoint(slots)]
+
+    def run(packed: bool):
+        for layer in live:
+            if layer.group is not None:
+                layer.group.clear()  # each run computes its groups' shrinks (a pass recomputes them for its own input)
+        for layer in live:
+            x = xs[layer.module.in_features]
+            if packed:
+                packed_delta(layer, x, x, outs[layer], meta, True)
+            else:
+                bank.ops.lora_expand(outs[layer], shrink(bank.ops, layer, x, x, meta), layer.B, meta)
+    with torch.no_grad():
+        times = tuning.fastest({"packed": lambda: run(True), "gathered": lambda: run(False)})
+    for layer in live:
+        if layer.group is not None:
+            layer.group.clear()
+    return {"path": tuning.pick(times, "packed"), "ms": {k: round(v * 1e3, 3) for k, v in times.items()}}
 
 
 def shared(group, x, meta, compute):
