@@ -123,6 +123,8 @@ def _time_paths(bank, sample, slots: tuple, tokens: int) -> dict:
                 packed_delta(layer, x, x, outs[layer], meta, True)
             else:
                 bank.ops.lora_expand(outs[layer], shrink(bank.ops, layer, x, x, meta), layer.B, meta)
+        if bank.device.type == "cuda":  # the torch path forced on a GPU: time its work, not its launches
+            torch.cuda.synchronize(bank.device)
     with torch.no_grad():
         times = tuning.fastest({"packed": lambda: run(True), "gathered": lambda: run(False)})
     for layer in live:
