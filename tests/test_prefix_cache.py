@@ -329,8 +329,13 @@ def test_the_cache_alone():
     block = lambda i: ((torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)),)  # 64 bytes
     cache.store(a[:2], block)
     assert cache.match(a) == 2 and cache.match(b) == 0
-    cache.store(b[:2], block)  # 4 blocks for 3: a's last one goes first (a's first is more recent)
-    assert cache.bytes <= 3 * 64 and cache.match(a) == 1 and cache.match(b) == 2
+    seen = []  # what another thread reading the engine's counters would see while a store runs
+    cache.store(b[:2], lambda i: (seen.append(cache.bytes), block(i))[1])
+    # 4 blocks for 3: a's last one goes first (a's first is more recent); the bound held throughout
+    assert max(seen + [cache.bytes]) <= 3 * 64 and cache.match(a) == 1 and cache.match(b) == 2
+    big = lambda i: ((torch.zeros(64, dtype=torch.float64), torch.zeros(64, dtype=torch.float64)),)  # over the bound
+    cache.store([a[2]] + cache.chain(b"c", t)[:1], lambda i: block(i) if i == 0 else big(i))
+    assert cache.bytes <= 3 * 64 and cache.bytes == 64 * len(cache)  # a block too large stops the store, evicting still
 
 
 def test_metrics_count_queried_and_hit_tokens(model):

@@ -146,20 +146,24 @@ class PrefixCache:
 
     def store(self, keys: list[bytes], block) -> None:
         """Keep the blocks of ``keys`` not kept yet, ``block(i)`` giving block i's tensors (copies),
-        then evict the least recently used beyond ``max_bytes``."""
+        then evict the least recently used beyond ``max_bytes``. ``bytes`` changes once, to a total
+        within the bound: the engine's counters read it from other threads."""
+        total = self.bytes
         for i, key in enumerate(keys):
             if key not in self._blocks:
                 tensors = block(i)
                 size = sum(k.nbytes + v.nbytes for k, v in tensors)
                 if size > self.max_bytes:
-                    return
+                    break
                 self._blocks[key] = (tensors, size)
-                self.bytes += size
+                total += size
         for key in reversed(keys):
-            self._blocks.move_to_end(key)
-        while self.bytes > self.max_bytes:
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+        while total > self.max_bytes:
             _, (_, size) = self._blocks.popitem(last=False)
-            self.bytes -= size
+            total -= size
+        self.bytes = total
 
     def clear(self) -> None:
         self._blocks.clear()
