@@ -113,10 +113,13 @@ def _time_paths(bank, sample, slots: tuple, tokens: int) -> dict:
             for layer in sample}
     live = [layer for layer in sample if not layer.live.isdisjoint(slots)]
 
-    def run(packed: bool):
+    def clear_groups():  # each run computes its groups' shrinks (a pass recomputes them for its own input)
         for layer in live:
             if layer.group is not None:
-                layer.group.clear()  # each run computes its groups' shrinks (a pass recomputes them for its own input)
+                layer.group.clear()
+
+    def run(packed: bool):
+        clear_groups()
         for layer in live:
             x = xs[layer.module.in_features]
             if packed:
@@ -127,9 +130,7 @@ def _time_paths(bank, sample, slots: tuple, tokens: int) -> dict:
             torch.cuda.synchronize(bank.device)
     with torch.no_grad():
         times = tuning.fastest({"packed": lambda: run(True), "gathered": lambda: run(False)})
-    for layer in live:
-        if layer.group is not None:
-            layer.group.clear()
+    clear_groups()
     return {"path": tuning.pick(times, "packed"), "ms": {k: round(v * 1e3, 3) for k, v in times.items()}}
 
 
