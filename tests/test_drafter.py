@@ -50,6 +50,32 @@ def test_several_drafters_each_draft_and_learn_their_own_acceptance():
     assert torch.equal(auto, ref)
 
 
+@pytest.mark.parametrize("hooked", [False, True])
+def test_lora_layers_draft_straight_from_their_base_layers(monkeypatch, hooked):
+    """In a draft pass a LoRA layer is its base layer: with a low-precision drafter it calls the base
+    layer's copy directly, not the LoRA layer's forward (which would only pass it on); a base layer
+    with a forward hook is called as a module, so the hook runs in draft passes too."""
+    from hf_invisiblelora.lora import layer as lora_layer
+
+    model = tiny_peft("llama", strength=0.6)
+    ids, mask = prompts(LENGTHS)
+    ref = greedy(model, ids, mask)
+    seen = []
+    real = lora_layer.forward
+    monkeypatch.setattr(lora_layer, "forward", lambda bank, m, *a, **kw: seen.append(bank.context.drafter) or
+                        real(bank, m, *a, **kw))
+    hooked_layer = lora.lora_layers(model)[0].base_layer
+    calls = []
+    if hooked:
+        hooked_layer.register_forward_hook(lambda m, args, out: calls.append(args[0].shape))
+    out = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2,
+                 draft_dtype=torch.int8, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref) and out.stats.draft_passes > 0
+    assert seen and all(d is None for d in seen)  # LoRA-on passes only
+    if hooked:  # a draft pass gives one token per row: LoRA-on passes give more (prefill, verify)
+        assert sum(shape[1] == 1 for shape in calls) >= out.stats.draft_passes
+
+
 def test_drafters_installed_together_keep_their_weights(monkeypatch):
     """int8 and int4 drafters in one call each make their quantized copies once: a later call reuses
     both (a shared slot per module made each evict the other, re-quantizing the model every call)."""

@@ -56,7 +56,7 @@ from torch import nn
 from ..model.derived import DerivedCopies, SourceCheck
 from ..model.quantized import dense_weight, plain
 from ..model.routing import draft
-from ..model.walk import adapter_copies, linears
+from ..model.walk import adapter_copies, linears, lora_layers
 from . import low_precision
 
 COUNTS = "token_counts"  # the model state's key: how often each token id was seen
@@ -185,6 +185,8 @@ class BaseModelDrafter:
             for m in linears(self.model):
                 if plain(m.weight) and m not in copies:  # quantized layers draft as they are
                     routed[m] = (draft(self.key), _route(lambda m=m: self._low_precision(m)))
+            for layer in lora_layers(self.model):  # LoRA is off in a draft pass: straight to the base layer's route
+                routed[layer] = (draft(self.key), _lora_off(layer.base_layer, routed.get(layer.base_layer)))
         if self.vocab is not None:
             routed[self.head] = (draft(self.key), _route(lambda: self._restricted(self.head)))
         with context.router.routing(routed):  # in this drafter's passes only (routing.py)
@@ -246,6 +248,19 @@ def _route(make):
         return made[0](x)
     route.ready = ready
     return route
+
+
+def _lora_off(base, route):
+    """A LoRA layer's route in draft passes: its base layer's output, from the base layer's own
+    draft ``route`` (a low-precision copy) where it has one and nothing else runs around it: one
+    Python call per layer, not the LoRA layer's forward and the base layer's module call."""
+    def forward(original, x, *args, **kwargs):
+        kwargs.pop("adapter_names", None)  # PEFT's generate() hooks pass it to every LoRA layer
+        if route is None or args or kwargs or base._forward_hooks or base._forward_pre_hooks:
+            return base(x, *args, **kwargs)
+        return route[1](None, x)
+    forward.ready = route[1].ready if route is not None else lambda: None
+    return forward
 
 
 def _base(m):
