@@ -89,3 +89,33 @@ def test_a_ragged_pass_computes_only_its_real_tokens(monkeypatch):
     torch.testing.assert_close(got, torch.stack(want), rtol=1e-5, atol=1e-5)
     assert counts[:-1] == [sum(lens)] * (len(counts) - 1)  # every layer: the 10 real tokens, not 3 x 6
     assert counts[-1] == len(NAMES) * len({n - 1 for n in lens})  # the head: the rows at positions 5, 0, 2
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_passes_run_in_inference_mode_unless_a_hook_may_keep_their_tensors(monkeypatch, hooked):
+    """Our eager passes run in inference mode (cheaper per op than no_grad) and hand out plain logits;
+    a forward hook a user put on the model sees plain tensors, as under stock's generate(), so what
+    it keeps can be changed in place or used with autograd later. The tokens are stock's either way."""
+    from hf_invisiblelora.model import forward
+
+    model = tiny_peft("llama", strength=0.6)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 64, (3, 7), generator=g)
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=NAMES, do_sample=False,
+              max_new_tokens=6, pad_token_id=0)
+    stock = model.generate(**kw)
+    modes, kept = [], []
+    real = forward.model_pass
+    monkeypatch.setattr(forward, "model_pass", lambda *a: modes.append(torch.is_inference_mode_enabled()) or real(*a))
+    if hooked:
+        model.get_base_model().model.layers[0].mlp.register_forward_hook(lambda m, args, out: kept.append(out))
+    scores = []
+    out = model.generate(**kw, invisible_lora=True, gate="always", num_draft_tokens=2, output_scores=True,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, stock)
+    assert modes and all(m is not hooked for m in modes)
+    assert not any(s.is_inference() for s in out.scores)
+    out.scores[0].add_(1)  # a plain tensor: in place outside inference mode
+    if hooked:
+        assert kept and not any(t.is_inference() for t in kept)
+        torch.nn.Linear(kept[0].shape[-1], 1, dtype=kept[0].dtype)(kept[0]).sum().backward()  # kept activations work with autograd

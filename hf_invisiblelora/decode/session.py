@@ -26,7 +26,7 @@ from ..model.derived import SourceCheck
 from ..model.forward import CompiledForward, EagerForward
 from ..model.prepack import PackedLinears
 from ..model.rotary import StepRotary
-from ..model.walk import BASE
+from ..model.walk import BASE, foreign_hooks
 from ..threads import Contention
 from .decoder import Decoder
 from .drafters import BaseModelDrafter
@@ -95,6 +95,9 @@ class Session:
     @contextlib.contextmanager
     def installed(self):
         context = self.fwd.context
+        # A user's hook may keep a pass's tensors (and use them with autograd, or change them in
+        # place): then plain no_grad passes, as stock's; else inference mode (forward.py).
+        self.fwd.inference = not foreign_hooks(self.inner)
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.decoder.lora.installed(context))
             stack.enter_context(self.rotary.installed())

@@ -14,6 +14,7 @@ Only the first ``kv_len`` slots take part in attention; the masks (layout.py) sa
 
 from __future__ import annotations
 
+import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 # Cache layer kinds (Transformers' names) whose entries are plain per-token keys and values.
@@ -32,8 +33,10 @@ class _CacheLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states):
         c = self.cache
         h = key_states.shape[1]
-        self.keys = key_states.new_zeros(c.capacity, h, c.max_len, key_states.shape[-1])
-        self.values = value_states.new_zeros(c.capacity, h, c.max_len, value_states.shape[-1])
+        with torch.inference_mode(False):  # plain tensors, also when the first pass runs in inference mode:
+            # the cache outlives it and is written outside passes too (prefix cache, row resets)
+            self.keys = key_states.new_zeros(c.capacity, h, c.max_len, key_states.shape[-1])
+            self.values = value_states.new_zeros(c.capacity, h, c.max_len, value_states.shape[-1])
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from peft.tuners.lora import LoraLayer
+from peft.tuners.lora.model import _adapter_names_pre_forward_hook
 from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
@@ -60,6 +61,21 @@ def linears(model) -> list:
 def adapter_copies(model) -> set:
     """Every module inside the adapters' modules_to_save copies (see Walk)."""
     return _walk(model).saved
+
+
+def foreign_hooks(module) -> bool:
+    """Whether code other than ours and PEFT's sees the tensors of a pass through ``module``'s
+    submodules: a forward hook or pre-hook (but PEFT's injection of adapter_names) on one of them,
+    or one of torch's global module hooks. Such code may keep them for later use."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    for m in module.modules():
+        for hook in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]:
+            if getattr(hook, "func", None) is not _adapter_names_pre_forward_hook:
+                return True
+    return False
 
 
 def lora_layers(model) -> list:
