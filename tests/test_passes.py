@@ -104,6 +104,7 @@ def test_passes_run_in_inference_mode_unless_a_hook_may_keep_their_tensors(monke
     kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=NAMES, do_sample=False,
               max_new_tokens=6, pad_token_id=0)
     stock = model.generate(**kw)
+    model.generate(**kw, output_hidden_states=True, return_dict_in_generate=True)  # Transformers' own hooks: inert
     modes, kept = [], []
     real = forward.model_pass
     monkeypatch.setattr(forward, "model_pass", lambda *a: modes.append(torch.is_inference_mode_enabled()) or real(*a))

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import peft.tuners.lora.model as peft_lora_model
 from peft.tuners.lora import LoraLayer
-from peft.tuners.lora.model import _adapter_names_pre_forward_hook
 from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
@@ -64,16 +64,21 @@ def adapter_copies(model) -> set:
 
 
 def foreign_hooks(module) -> bool:
-    """Whether code other than ours and PEFT's sees the tensors of a pass through ``module``'s
-    submodules: a forward hook or pre-hook (but PEFT's injection of adapter_names) on one of them,
-    or one of torch's global module hooks. Such code may keep them for later use."""
+    """Whether code other than ours, PEFT's and Transformers' sees the tensors of a pass through
+    ``module``'s submodules: a forward hook or pre-hook on one of them, or one of torch's global
+    module hooks; such code may keep them for later use. Not counted: PEFT's injection of
+    adapter_names, and Transformers' output-capturing hooks, which record nothing unless the
+    model's own call asks for hidden states or attentions (ours never do)."""
     from torch.nn.modules import module as torch_module
 
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return True
+    peft_hook = getattr(peft_lora_model, "_adapter_names_pre_forward_hook", None)
     for m in module.modules():
         for hook in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]:
-            if getattr(hook, "func", None) is not _adapter_names_pre_forward_hook:
+            inert = getattr(hook, "func", None) is peft_hook is not None \
+                or getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+            if not inert:
                 return True
     return False
 
