@@ -110,7 +110,6 @@ def test_passes_run_in_inference_mode_unless_a_hook_may_keep_their_tensors(monke
     monkeypatch.setattr(forward, "model_pass", lambda *a: modes.append(torch.is_inference_mode_enabled()) or real(*a))
     if hooked:
         model.get_base_model().model.layers[0].mlp.register_forward_hook(lambda m, args, out: kept.append(out))
-    scores = []
     out = model.generate(**kw, invisible_lora=True, gate="always", num_draft_tokens=2, output_scores=True,
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, stock)

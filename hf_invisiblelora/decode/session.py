@@ -96,8 +96,8 @@ class Session:
     def installed(self):
         context = self.fwd.context
         # A user's hook may keep a pass's tensors (and use them with autograd, or change them in
-        # place): then plain no_grad passes, as stock's; else inference mode (forward.py).
-        self.fwd.inference = not foreign_hooks(self.inner)
+        # place): then plain no_grad passes, as stock's; else inference mode where the forward has it.
+        self.fwd.inference = type(self.fwd).inference and not foreign_hooks(self.inner)
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.decoder.lora.installed(context))
             stack.enter_context(self.rotary.installed())

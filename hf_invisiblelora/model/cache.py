@@ -33,8 +33,9 @@ class _CacheLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states):
         c = self.cache
         h = key_states.shape[1]
-        with torch.inference_mode(False):  # plain tensors, also when the first pass runs in inference mode:
-            # the cache outlives it and is written outside passes too (prefix cache, row resets)
+        # Plain tensors, also when the first pass runs in inference mode: the cache outlives the pass
+        # and is written outside passes too (prefix cache, row resets).
+        with torch.inference_mode(False):
             self.keys = key_states.new_zeros(c.capacity, h, c.max_len, key_states.shape[-1])
             self.values = value_states.new_zeros(c.capacity, h, c.max_len, value_states.shape[-1])
         self.device, self.dtype = key_states.device, key_states.dtype

@@ -14,6 +14,8 @@ One protocol, two implementations:
     fwd.context  the pass context (context.py): set here, once per pass, from these arguments
     fwd.layout  the rows' slot tables (layout.py); fwd.cache  the shared KV cache (cache.py)
     fwd.builds  passes compiled or captured so far (their timings are not steady state)
+    fwd.inference  eager passes in inference mode (the Session sets it per call: off while a user's
+                hook may keep a pass's tensors); compiled passes are traced as they are
 
 ``EagerForward`` runs each pass as it comes. ``CompiledForward`` gives every pass fixed shapes and
 compiles it once per bucket:
@@ -82,10 +84,10 @@ class EagerForward:
     ``capacity`` rows of ``width`` slots; ``owner``: the model state's owner check (the context's)."""
 
     builds = 0
+    inference = True
 
     def __init__(self, model, lora, capacity: int, width: int, device, owner):
         self.model, self.lora = model, lora
-        self.inference = True  # passes in inference mode (False while hooks may keep their tensors: Session)
         self.context = PassContext(owner)
         self.layout = RowLayout(model, capacity, width, device, self.context)
         self.cache = SharedCache(model.config, capacity, width, self.context)
@@ -220,6 +222,8 @@ class CompiledForward:
     least ``width`` slots (in the bucket of ``length`` slots if given, else ``length_bucket(width)``);
     ``widths``: the tokens per row of the passes to compile (1 .. K + 1).
     """
+
+    inference = False  # its graphs are traced once, in the grad mode of the call
 
     def __init__(self, model, buckets: dict, lora, capacity: int, width: int, device, backend: str, widths: range,
                  owner, length: int | None = None):

@@ -14,6 +14,7 @@ import peft.tuners.lora.model as peft_lora_model
 from peft.tuners.lora import LoraLayer
 from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from .state import state_of
 
@@ -69,8 +70,6 @@ def foreign_hooks(module) -> bool:
     module hooks; such code may keep them for later use. Not counted: PEFT's injection of
     adapter_names, and Transformers' output-capturing hooks, which record nothing unless the
     model's own call asks for hidden states or attentions (ours never do)."""
-    from torch.nn.modules import module as torch_module
-
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return True
     peft_hook = getattr(peft_lora_model, "_adapter_names_pre_forward_hook", None)
