@@ -59,6 +59,10 @@ class InvisibleLoRAOutput(GenerateDecoderOnlyOutput):
     stats: DecodingStats | None = None
 
 
+# What a call leaves on the model (the adapter bank, derived copies, token counts, caches) is updated in
+# place by later calls: made as plain tensors also when the caller runs in inference mode (whose tensors
+# could not be updated outside it). Our passes enter inference mode themselves (forward.py).
+@torch.inference_mode(False)
 def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 4, gate: str = "auto",
              lora_backend: str = "bank", generator=None, compile="auto", draft_vocab=None, draft_dtype="auto",
              prompt_lookup: bool = True, prepack="auto", **kwargs):

@@ -119,3 +119,21 @@ def test_passes_run_in_inference_mode_unless_a_hook_may_keep_their_tensors(monke
     if hooked:
         assert kept and not any(t.is_inference() for t in kept)
         torch.nn.Linear(kept[0].shape[-1], 1, dtype=kept[0].dtype)(kept[0]).sum().backward()  # kept activations work with autograd
+
+
+def test_a_call_in_the_callers_inference_mode_leaves_the_model_usable():
+    """generate() inside the caller's torch.inference_mode(), as stock allows: what it leaves on the
+    model (bank, draft copies and token counts) stays updatable, so a later call outside inference mode
+    decodes as stock too (it raised: an in-place update of an inference tensor)."""
+    model = tiny_peft("llama", strength=0.6)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(2, 64, (3, 7), generator=g)
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=NAMES, do_sample=False,
+              max_new_tokens=6, pad_token_id=0)
+    stock = model.generate(**kw)
+    ours = dict(invisible_lora=True, gate="always", num_draft_tokens=2, draft_dtype=torch.int8)
+    with torch.inference_mode():
+        assert torch.equal(model.generate(**kw, **ours), stock)
+    model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["s"].weight.data.mul_(2)  # a later edit
+    stock = model.generate(**kw)
+    assert torch.equal(model.generate(**kw, **ours), stock)
