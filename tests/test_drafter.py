@@ -362,3 +362,61 @@ def test_sampling_with_prompt_lookup_is_exact(monkeypatch):
 
     monkeypatch.setattr(policies, "accept_sampling", keep_all)
     assert chi_square_p(sampled()[0], target) < 1e-3
+
+
+def _draft_logits(monkeypatch, model, ids, mask, dtype, plain_functions: bool):
+    """The logits of every draft pass of a greedy call with a ``dtype`` drafter, and whether each ran
+    as plain functions (llama_pass.py); ``plain_functions=False``: the model's own passes."""
+    from hf_invisiblelora.decode import drafters
+    from hf_invisiblelora.model import forward
+
+    if not plain_functions:
+        monkeypatch.setattr(drafters.llama_pass, "draft_pass", lambda *a: None)
+    seen, real = [], forward.EagerForward.__call__
+
+    def call(self, ids, start, kv_len, keep, drafter=None, **kw):
+        out = real(self, ids, start, kv_len, keep, drafter=drafter, **kw)
+        if drafter is not None:
+            seen.append((drafter.pass_fn is not None, out))
+        return out
+    monkeypatch.setattr(forward.EagerForward, "__call__", call)
+    out = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=3, draft_dtype=dtype,
+                 return_dict_in_generate=True)
+    monkeypatch.undo()
+    return out.sequences, seen
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int4])
+def test_llama_shaped_draft_passes_run_as_plain_functions_with_the_models_logits(monkeypatch, arch, dtype):
+    """A Llama-shaped model's low-precision draft passes run as plain functions (llama_pass.py), not
+    through Transformers' modules, and give the logits the model's own draft passes give, bit for bit."""
+    model = tiny_peft(arch, strength=0.6)
+    ids, mask = prompts(LENGTHS)
+    ref = greedy(model, ids, mask)
+    plain, fast = _draft_logits(monkeypatch, model, ids, mask, dtype, True)
+    own, slow = _draft_logits(monkeypatch, model, ids, mask, dtype, False)
+    assert torch.equal(plain, ref) and torch.equal(own, ref)
+    assert fast and all(f for f, _ in fast) and not any(f for f, _ in slow)
+    assert len(fast) == len(slow) and all(torch.equal(a, b) for (_, a), (_, b) in zip(fast, slow))
+
+
+@pytest.mark.parametrize("case", ["hook", "subclass", "eager", "gemma3"])
+def test_draft_passes_run_the_models_own_modules_where_plain_functions_would_differ(monkeypatch, case):
+    """Where the model is not exactly what llama_pass.py mirrors (a user's hook sees the pass, a
+    subclass's forward, another attention implementation, another architecture), draft passes run the
+    model's own modules; the output is stock's either way."""
+    model = tiny_peft("gemma3" if case == "gemma3" else "llama", strength=0.6)
+    inner = model.get_base_model()
+    if case == "hook":
+        inner.model.layers[1].post_attention_layernorm.register_forward_hook(lambda m, a, out: None)
+    if case == "subclass":
+        norm = inner.model.layers[0].input_layernorm
+        norm.__class__ = type("Scaled", (type(norm),), {"forward": lambda self, x: 2 * super(type(self), self).forward(x)})
+    if case == "eager":
+        inner.config._attn_implementation = "eager"
+    ids, mask = prompts(LENGTHS)
+    ref = greedy(model, ids, mask)
+    out, seen = _draft_logits(monkeypatch, model, ids, mask, torch.int4, True)
+    assert torch.equal(out, ref)
+    assert seen and not any(f for f, _ in seen)

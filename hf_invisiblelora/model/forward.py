@@ -106,7 +106,8 @@ class EagerForward:
             # may change in place.
             with torch.inference_mode(self.inference):
                 masks, position_ids = self.layout.inputs()
-                logits = model_pass(self.model, self.cache, masks, position_ids, ids, keep)
+                run = (drafter.pass_fn if drafter is not None else None) or model_pass  # its own: llama_pass.py
+                logits = run(self.model, self.cache, masks, position_ids, ids, keep)
             return logits.clone() if self.inference else logits
 
 
