@@ -16,8 +16,8 @@ costs and acceptance are kept per drafter ``key``). The protocol (``Drafter``):
                                                  probabilities (speculative sampling) or None
                                                  (point masses, or greedy)
     drafter.learn(batch, hi, accepted)           after each commit: accepted drafts per row
-    drafter.pass_fn                              None, or what its eager passes run in place of the
-                                                 model's forward (forward.model_pass's signature)
+    drafter.copy_of(module)                      (a drafter with passes) its own x -> y for a linear
+                                                 layer in its passes, or None: the module as it is
 
 ``BaseModelDrafter``, the first implementation, is the shared base model itself (LoRA off),
 optionally made cheaper. ``PromptLookupDrafter`` (prompt_lookup.py) runs no pass at all: it proposes what followed an
@@ -56,7 +56,6 @@ from peft.tuners.lora import LoraLayer
 from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
-from ..model import llama_pass
 from ..model.derived import DerivedCopies, SourceCheck
 from ..model.quantized import dense_weight, plain
 from ..model.routing import draft
@@ -117,7 +116,6 @@ def fixed_vocabulary(draft_vocab, state, inner, vocab_size: int) -> tuple[torch.
 class Drafter(Protocol):
     key: str
     passes: bool  # whether its proposals run draft passes of the model (compiled passes are built for them)
-    pass_fn: object  # None, or what its eager passes run in place of the model's forward
 
     def installed(self, context, check=None): ...
 
@@ -138,7 +136,6 @@ class BaseModelDrafter:
     vocabulary itself also holds the prompts' tokens, so its length changes from call to call)."""
 
     passes = True
-    pass_fn = None  # while installed: what its eager passes run instead of the model's forward, or None
 
     def __init__(self, model, state, vocab: torch.Tensor | None = None, dtype=None, size: int | None = None):
         inner = model.get_base_model()
@@ -196,19 +193,12 @@ class BaseModelDrafter:
         if self.vocab is not None:
             routed[self.head] = (draft(self.key), _route(lambda: self._restricted(self.head)))
         with context.router.routing(routed):  # in this drafter's passes only (routing.py)
-            # Its passes as plain functions where the model is one llama_pass.py mirrors: the same
-            # arithmetic without the modules' calls around it (its copies must all exist: a dtype).
-            self.pass_fn = None if self.dtype is None else llama_pass.draft_pass(
-                self.model.get_base_model(), context.router, self, self._copy_of)
-            try:
-                yield self
-            finally:
-                self.pass_fn = None
+            yield self
 
-    def _copy_of(self, m):
-        """x -> the output of projection ``m`` (a LoRA layer or a plain Linear) in this drafter's
-        passes, by its low-precision copy; None if it has none."""
-        entry = self._routed.get(m.get_base_layer() if hasattr(m, "get_base_layer") else m)
+    def copy_of(self, m):
+        """x -> what linear layer ``m`` (a LoRA layer or a plain Linear) gives in this drafter's passes,
+        by its low-precision copy (one call: llama_pass.py); None if it has none."""
+        entry = self._routed.get(m.get_base_layer() if isinstance(m, LoraLayer) else m)
         if entry is None or not isinstance(m, (nn.Linear, LoraLayer)):
             return None
         route = entry[1]

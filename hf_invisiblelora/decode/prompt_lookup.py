@@ -85,7 +85,6 @@ class PromptLookupDrafter:
 
     key = "/lookup"
     passes = False
-    pass_fn = None
 
     @contextlib.contextmanager
     def installed(self, context, check: SourceCheck | None = None):

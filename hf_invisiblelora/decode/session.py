@@ -24,6 +24,7 @@ import torch
 from ..lora.switch import SWITCHES, bank_inexact
 from ..model.derived import SourceCheck
 from ..model.forward import CompiledForward, EagerForward
+from ..model.llama_pass import direct_pass
 from ..model.prepack import PackedLinears
 from ..model.rotary import StepRotary
 from ..model.walk import BASE, foreign_hooks
@@ -97,7 +98,8 @@ class Session:
         context = self.fwd.context
         # A user's hook may keep a pass's tensors (and use them with autograd, or change them in
         # place): then plain no_grad passes, as stock's; else inference mode where the forward has it.
-        self.fwd.inference = type(self.fwd).inference and not foreign_hooks(self.inner)
+        hooked = foreign_hooks(self.inner)
+        self.fwd.inference = type(self.fwd).inference and not hooked
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.decoder.lora.installed(context))
             stack.enter_context(self.rotary.installed())
@@ -105,6 +107,13 @@ class Session:
                 stack.enter_context(self.packed.installed(context))
             for drafter in self.drafters:
                 stack.enter_context(drafter.installed(context, self.check))
+            if isinstance(self.fwd, EagerForward) and not hooked:
+                # With every route in place: the passes that can run as plain functions (llama_pass.py),
+                # LoRA-on ones and each drafter's (by its own copies of the linear layers).
+                direct = {d: direct_pass(self.inner, context.router, d, d.copy_of if d else None)
+                          for d in [None, *(d for d in self.drafters if d.passes)]}
+                self.fwd.direct = {d: run for d, run in direct.items() if run is not None}
+                stack.callback(setattr, self.fwd, "direct", {})
             if self.inner.device.type == "cpu":  # torch's threads follow the CPUs other work leaves (threads.py)
                 self.decoder.threads = Contention()
                 stack.callback(self.decoder.threads.restore)

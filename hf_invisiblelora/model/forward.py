@@ -16,6 +16,8 @@ One protocol, two implementations:
     fwd.builds  passes compiled or captured so far (their timings are not steady state)
     fwd.inference  eager passes in inference mode (the Session sets it per call: off while a user's
                 hook may keep a pass's tensors); compiled passes are traced as they are
+    fwd.direct  (eager) {drafter, None for LoRA on: the passes' model call as plain functions}
+                (llama_pass.py; the Session sets it per call)
 
 ``EagerForward`` runs each pass as it comes. ``CompiledForward`` gives every pass fixed shapes and
 compiles it once per bucket:
@@ -61,20 +63,27 @@ from .walk import BASE
 logger = logging.getLogger("hf_invisiblelora")
 
 
-def model_pass(model, cache: SharedCache, masks, position_ids, ids, keep: int):
+def model_pass(model, cache: SharedCache, masks, position_ids, ids, keep: int, direct=None):
     """One model pass over ``ids`` [b, q] as the cache's pass context describes it; the logits of
-    each row's last ``keep`` (real) tokens."""
+    each row's last ``keep`` (real) tokens. ``direct``: the model's call as plain functions
+    (llama_pass.py), or None."""
     p = cache.context
     p.prepare_writes(cache.capacity)
+
+    def call(logits_to_keep):
+        out = direct(ids, masks, position_ids, cache, logits_to_keep) if direct is not None else None
+        if out is None:
+            out = model(input_ids=ids, attention_mask=masks, position_ids=position_ids, cache=cache, use_cache=True,
+                        logits_to_keep=logits_to_keep).logits
+        return out
+
     if p.lens is None:
-        return model(input_ids=ids, attention_mask=masks, position_ids=position_ids, cache=cache, use_cache=True,
-                     logits_to_keep=keep).logits
+        return call(keep)
     # A ragged pass: each row's last ``keep`` real positions. The head runs at the positions some row
     # keeps (Transformers' logits_to_keep as indices), not at every row's every position.
     at = (p.lens[:, None] - keep + torch.arange(keep, device=ids.device)).clamp(min=0)
     kept = at.unique()
-    logits = model(input_ids=ids, attention_mask=masks, position_ids=position_ids, cache=cache, use_cache=True,
-                   logits_to_keep=kept).logits
+    logits = call(kept)
     index = torch.searchsorted(kept, at)
     return logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1]))
 
@@ -88,6 +97,7 @@ class EagerForward:
 
     def __init__(self, model, lora, capacity: int, width: int, device, owner):
         self.model, self.lora = model, lora
+        self.direct = {}  # drafter (None: LoRA on) -> its passes as plain functions (llama_pass.py), per call
         self.context = PassContext(owner)
         self.layout = RowLayout(model, capacity, width, device, self.context)
         self.cache = SharedCache(model.config, capacity, width, self.context)
@@ -106,8 +116,8 @@ class EagerForward:
             # may change in place.
             with torch.inference_mode(self.inference):
                 masks, position_ids = self.layout.inputs()
-                run = (drafter.pass_fn if drafter is not None else None) or model_pass  # its own: llama_pass.py
-                logits = run(self.model, self.cache, masks, position_ids, ids, keep)
+                direct = self.direct.get(drafter) if prefix is None else None  # a prompt's pass: the model's own
+                logits = model_pass(self.model, self.cache, masks, position_ids, ids, keep, direct)
             return logits.clone() if self.inference else logits
 
 

@@ -1,24 +1,28 @@
-"""A Llama-shaped decoder's draft pass as plain functions, without Transformers' module calls.
+"""A Llama-shaped decoder's passes as plain functions, without Transformers' module calls.
 
-On the CPU a draft pass at a few rows is mostly per-module overhead: SmolLM2-135M's int4 draft pass
-at one row is about 6 ms of matmuls in 19 ms, the rest Python and small ops around 30 layers of
-Transformers modules (docs/benchmarks.md). A draft pass only proposes tokens (the verify pass, the
-model's own, decides what is committed), so it may run the same arithmetic by a shorter road (one
-Python function per layer):
+On the CPU a pass at a few rows is for a large part per-module overhead: SmolLM2-135M's int4 draft
+pass at one row was about 6 ms of matmuls in 19 ms, the rest Python and small ops around 30 layers
+of Transformers modules (docs/benchmarks.md). These functions run the same arithmetic by a shorter
+road, one Python function per layer:
 
-    run = draft_pass(inner, router, drafter, copy_of)   # None: the model's own forward
-    logits = run(model, cache, masks, position_ids, ids, keep)   # forward.model_pass's signature
+    direct = direct_pass(inner, router, drafter, copy_of)   # None: the model's own forward
+    logits = direct(ids, masks, position_ids, cache, logits_to_keep)   # what the model's call gives
+                                                         # (None: a pass it leaves to the model)
 
-It computes op for op what Transformers' Llama, Mistral and Qwen2 classes compute (their decoder
-layers, SDPA attention, gated MLP and RMSNorm: on the CPU the same logits, bit for bit; Mistral's and Qwen2's
-sliding windows are in the masks layout.py builds), calls the embedding, rotary, final norm and head
-modules as they are (their routes apply: routing.py), and runs each projection by ``copy_of(module)``,
-the drafter's own copy of it (a low-precision one: low_precision.py). It applies only where all of
-those modules are of these classes with the classes' own forward (a subclass, a forward another
-library set on an instance or a route in the drafter's passes, or a hub kernel swapped in runs the
-model's own pass), attention is SDPA, the model is in eval mode, no code of a user's sees the pass
-(walk.foreign_hooks) and every projection has a copy. The model's own pass is the reference it is
-tested against (tests/test_drafter.py).
+``run`` computes op for op what Transformers' Llama, Mistral and Qwen2 classes compute (their decoder
+layers, SDPA attention as Transformers calls it in our passes on the CPU, gated MLP and RMSNorm;
+Mistral's and Qwen2's sliding windows are in the masks layout.py builds): the model's own logits, bit
+for bit, and the same cache writes. The modules it does not mirror it calls as they are, so every route of the
+pass applies (routing.py): the embedding, rotary, final norm and head, and each linear layer (LoRA
+on: the LoRA layers, each row its adapter; a drafter's pass: LoRA off) unless ``copy_of(layer)``
+gives the drafter's own function for it (its low-precision copy: one call, not the module's).
+
+It applies only where all the modules it mirrors are of these classes with the classes' own forward
+and no route in the pass (a subclass, a forward another library set on an instance or a hub kernel
+swapped in runs the model's own pass), attention is SDPA, the model is in eval mode on the CPU and
+no code of a user's sees the pass (the caller checks: walk.foreign_hooks); a prompt's pass (which
+computes as standard decoding's one call over the prompt did) runs the model's own forward. The
+model's own pass is the reference it is tested against, bit for bit (tests/test_direct_pass.py).
 """
 
 from __future__ import annotations
@@ -29,8 +33,6 @@ import importlib
 import torch
 from torch.nn import functional as F
 from transformers.modeling_utils import slice_logits_to_keep
-
-from .walk import foreign_hooks
 
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}  # Transformers' module: class prefix
 ROLES = ("ForCausalLM", "Model", "DecoderLayer", "Attention", "MLP", "RMSNorm")
@@ -48,17 +50,15 @@ def _families() -> dict:
     return out
 
 
-def draft_pass(inner, router, drafter, copy_of):
+def direct_pass(inner, router, drafter, copy_of=None):
     """The pass of the module docstring for ``inner`` (the base causal LM) in ``drafter``'s passes
-    (``router``: the pass context's), or None where it does not apply."""
-    if inner.training or foreign_hooks(inner) or inner.config._attn_implementation != "sdpa":
+    (None: the LoRA-on passes; ``router``: the pass context's), or None where it does not apply."""
+    if inner.training or inner.device.type != "cpu" or inner.config._attn_implementation != "sdpa":
         return None
     model = getattr(inner, "model", None)
     layers = getattr(model, "layers", None)
-    if layers is None:
-        return None
     forwards = next((f for f in _families().values() if type(inner).forward is f["ForCausalLM"]), None)
-    if forwards is None:
+    if layers is None or forwards is None:
         return None
 
     def mirrored(module, role):
@@ -70,22 +70,22 @@ def draft_pass(inner, router, drafter, copy_of):
     for layer in layers[: model.config.num_hidden_layers]:
         parts = ((layer, "DecoderLayer"), (layer.self_attn, "Attention"), (layer.mlp, "MLP"),
                  (layer.input_layernorm, "RMSNorm"), (layer.post_attention_layernorm, "RMSNorm"))
-        projections = [copy_of(getattr(getattr(layer, part), name)) for part, name in PROJECTIONS]
-        if not all(mirrored(m, role) for m, role in parts) or any(p is None for p in projections):
+        if not all(mirrored(m, role) for m, role in parts):
             return None
-        plan.append((layer, projections))
+        linears = [getattr(getattr(layer, part), name) for part, name in PROJECTIONS]
+        plan.append((layer, [(copy_of and copy_of(m)) or m for m in linears]))
     kinds = getattr(model.config, "layer_types", None)
 
-    def run(_, cache, masks, position_ids, ids, keep):
-        cache.context.prepare_writes(cache.capacity)
+    def run(ids, masks, position_ids, cache, logits_to_keep):
+        if masks is None or (isinstance(masks, dict) and None in masks.values()):
+            return None  # Transformers' is_causal path (our passes always have masks)
         h = model.embed_tokens(ids)
         cos, sin = model.rotary_emb(h, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, (layer, projections) in enumerate(plan):
-            mask = masks[kinds[i]] if isinstance(masks, dict) else masks
-            h = _layer(layer, projections, h, cos, sin, mask, cache, i)
+            h = _layer(layer, projections, h, cos, sin, masks[kinds[i]] if isinstance(masks, dict) else masks, cache, i)
         h = model.norm(h)
-        return inner.lm_head(slice_logits_to_keep(h, keep))
+        return inner.lm_head(slice_logits_to_keep(h, logits_to_keep))
     return run
 
 
