@@ -14,8 +14,9 @@ layers, SDPA attention as Transformers calls it in our passes on the CPU, gated 
 Mistral's and Qwen2's sliding windows are in the masks layout.py builds): the model's own logits, bit
 for bit, and the same cache writes. The modules it does not mirror it calls as they are, so every route of the
 pass applies (routing.py): the embedding, rotary, final norm and head, and each linear layer (LoRA
-on: the LoRA layers, each row its adapter; a drafter's pass: LoRA off) unless ``copy_of(layer)``
-gives the drafter's own function for it (its low-precision copy: one call, not the module's).
+on: the LoRA layers, each row its adapter; a drafter's pass: LoRA off), the latter by its route
+called directly (Router.direct: no hook is on them), or by ``copy_of(layer)`` where that gives the
+drafter's own function for it (its low-precision copy).
 
 It applies only where all the modules it mirrors are of these classes with the classes' own forward
 and no route in the pass (a subclass, a forward another library set on an instance or a hub kernel
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -67,13 +69,15 @@ def direct_pass(inner, router, drafter, copy_of=None):
     if not mirrored(inner, "ForCausalLM") or not mirrored(model, "Model"):
         return None
     plan = []
-    for layer in layers[: model.config.num_hidden_layers]:
-        parts = ((layer, "DecoderLayer"), (layer.self_attn, "Attention"), (layer.mlp, "MLP"),
-                 (layer.input_layernorm, "RMSNorm"), (layer.post_attention_layernorm, "RMSNorm"))
+    for i, layer in enumerate(layers[: model.config.num_hidden_layers]):
+        attn, norms = layer.self_attn, (layer.input_layernorm, layer.post_attention_layernorm)
+        parts = ((layer, "DecoderLayer"), (attn, "Attention"), (layer.mlp, "MLP"), *((n, "RMSNorm") for n in norms))
         if not all(mirrored(m, role) for m, role in parts):
             return None
         linears = [getattr(getattr(layer, part), name) for part, name in PROJECTIONS]
-        plan.append((layer, [(copy_of and copy_of(m)) or m for m in linears]))
+        plan.append(_Layer(i, *((n.weight, n.variance_epsilon) for n in norms), attn.head_dim, attn.scaling,
+                           attn.num_key_value_groups > 1, layer.mlp.act_fn,
+                           [(copy_of and copy_of(m)) or router.direct(m, drafter) for m in linears]))
     kinds = getattr(model.config, "layer_types", None)
 
     def run(ids, masks, position_ids, cache, logits_to_keep):
@@ -82,38 +86,49 @@ def direct_pass(inner, router, drafter, copy_of=None):
         h = model.embed_tokens(ids)
         cos, sin = model.rotary_emb(h, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        for i, (layer, projections) in enumerate(plan):
-            h = _layer(layer, projections, h, cos, sin, masks[kinds[i]] if isinstance(masks, dict) else masks, cache, i)
+        for layer in plan:
+            h = _layer(layer, h, cos, sin, masks[kinds[layer.index]] if isinstance(masks, dict) else masks, cache)
         h = model.norm(h)
         return inner.lm_head(slice_logits_to_keep(h, logits_to_keep))
     return run
 
 
-def _layer(layer, projections, h, cos, sin, mask, cache, i):
-    """Semantics: LlamaDecoderLayer.forward(h) with SDPA attention, the projections by ``projections``."""
-    q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = projections
-    attn = layer.self_attn
-    x = _rms_norm(layer.input_layernorm, h)
-    shape = (*x.shape[:-1], -1, attn.head_dim)
+class _Layer(NamedTuple):
+    """What a decoder layer's pass reads, gathered once per call (module attribute lookups are slow)."""
+
+    index: int
+    norm1: tuple  # the input norm's (weight, epsilon)
+    norm2: tuple  # the post-attention norm's
+    head_dim: int
+    scaling: float
+    gqa: bool  # grouped key / value heads
+    act: object
+    projections: list  # q, k, v, o, gate, up, down: x -> y
+
+
+def _layer(layer: _Layer, h, cos, sin, mask, cache):
+    """Semantics: LlamaDecoderLayer.forward(h) with SDPA attention, its linear layers by ``layer.projections``."""
+    q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = layer.projections
+    x = _rms_norm(h, *layer.norm1)
+    shape = (*x.shape[:-1], -1, layer.head_dim)
     q = q_proj(x).view(shape).transpose(1, 2)
     k = k_proj(x).view(shape).transpose(1, 2)
     v = v_proj(x).view(shape).transpose(1, 2)
     q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-    k, v = cache.update(k, v, i)
+    k, v = cache.update(k, v, layer.index)
     # As Transformers' sdpa_attention_forward calls it in our passes on the CPU (layout._use_gqa; our
     # passes always have masks, so never is_causal).
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling,
-                                       enable_gqa=attn.num_key_value_groups > 1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling, enable_gqa=layer.gqa)
     h = h + o_proj(o.transpose(1, 2).reshape(*x.shape[:-1], -1))
-    x = _rms_norm(layer.post_attention_layernorm, h)
-    return h + down_proj(layer.mlp.act_fn(gate_proj(x)) * up_proj(x))
+    x = _rms_norm(h, *layer.norm2)
+    return h + down_proj(layer.act(gate_proj(x)) * up_proj(x))
 
 
-def _rms_norm(norm, h):
+def _rms_norm(h, weight, epsilon):
     """Semantics: LlamaRMSNorm.forward(h)."""
     x = h.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * x.to(h.dtype)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + epsilon)
+    return weight * x.to(h.dtype)
 
 
 def _rotate_half(x):

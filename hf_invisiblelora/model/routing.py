@@ -25,6 +25,8 @@ costs one call, not two nested ones.
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 
 import torch
 
@@ -61,6 +63,15 @@ class Router:
     def route_for(self, module, drafter=None):
         """The route ``module`` takes in a pass of ``drafter`` (None: LoRA on), or None: the module as it is."""
         return _pick(self.routes.get(module, {}), drafter)
+
+    def direct(self, module, drafter=None):
+        """x -> what ``module(x)`` computes in a pass of ``drafter`` (None: LoRA on), without the module
+        call around it: for a module no hook is on (llama_pass.py calls its linear layers so)."""
+        route = self.route_for(module, drafter)
+        if route is None:
+            return module.forward
+        original = self.originals[module] or types.MethodType(type(module).forward, module)
+        return functools.partial(route, original)
 
     def _forward(self, module):
         original = module.forward  # the class's (or a forward another library set on the instance)
