@@ -363,3 +363,21 @@ def test_sampling_with_prompt_lookup_is_exact(monkeypatch):
     monkeypatch.setattr(policies, "accept_sampling", keep_all)
     assert chi_square_p(sampled()[0], target) < 1e-3
 
+
+
+def test_an_int4_drafter_reads_the_output_head_in_int8(monkeypatch):
+    """An int4 drafter's linear layers are int4 but its output head int8 (drafters.HEAD_FLOOR): the
+    drafts are the head's argmax, and an int4 head cost the zoo's adapters 0.915 -> 0.79 acceptance."""
+    from hf_invisiblelora.decode import low_precision
+
+    made = []
+    real = low_precision.low_precision_linear
+    monkeypatch.setattr(low_precision, "low_precision_linear", lambda w, b, dtype: made.append((w, dtype)) or real(w, b, dtype))
+    model = tiny_peft("llama", strength=0.6)
+    ids, mask = prompts(LENGTHS)
+    ref = greedy(model, ids, mask)
+    out = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2, draft_dtype=torch.int4)
+    head = model.get_base_model().lm_head.weight
+    assert torch.equal(out, ref)
+    assert [d for w, d in made if w is head] == [torch.int8]
+    assert {d for w, d in made if w is not head} == {torch.int4}

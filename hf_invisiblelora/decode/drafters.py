@@ -62,6 +62,7 @@ from ..model.routing import draft
 from ..model.walk import adapter_copies, linears, lora_layers
 from . import low_precision
 
+HEAD_FLOOR = {torch.int4: torch.int8}  # the output head's dtype under a lower draft dtype (_low_precision)
 COUNTS = "token_counts"  # the model state's key: how often each token id was seen
 def observe(state, ids: torch.Tensor, vocab_size: int) -> None:
     """Count the token ids of prompts and outputs (the draft vocabulary follows them)."""
@@ -210,17 +211,21 @@ class BaseModelDrafter:
         for _, route in self._routed.values():
             route.ready()
 
-    def _weights(self, m, kind, sources: tuple, make):
+    def _weights(self, m, kind, sources: tuple, make, dtype=None):
         """A derived copy of m's weights (derived.py), kept in the model state while its sources are
-        unchanged: one per module, kind and draft dtype, so drafters of different kinds, or several
-        installed together, do not evict each other."""
+        unchanged: one per module, kind and draft dtype (``dtype``, default the drafter's), so drafters
+        of different kinds, or several installed together, do not evict each other."""
         copies = self.state.drafter.get("weights")
         if copies is None:
             copies = self.state.drafter["weights"] = DerivedCopies()
-        return copies.get(m, (kind, self.dtype), sources, make, self.check)
+        return copies.get(m, (kind, dtype or self.dtype), sources, make, self.check)
 
     def _low_precision(self, m):
-        return self._weights(m, "dtype", (m.weight, m.bias), lambda: low_precision.low_precision_linear(m.weight, m.bias, self.dtype))
+        # The output head no lower than int8: the drafts are its argmax, and an int4 head costs more in
+        # acceptance than it saves (docs/benchmarks.md: 0.79 against 0.915 with an int8 head).
+        dtype = HEAD_FLOOR.get(self.dtype, self.dtype) if m is self.head else self.dtype
+        return self._weights(m, "dtype", (m.weight, m.bias), lambda: low_precision.low_precision_linear(m.weight, m.bias, dtype),
+                             dtype)
 
     def _restricted(self, head):
         vocab = self.vocab.to(head.weight.device)
