@@ -9,11 +9,11 @@ road, one Python function per layer:
     logits = direct(ids, masks, position_ids, cache, logits_to_keep)   # what the model's call gives
                                                          # (None: a pass it leaves to the model)
 
-``run`` computes op for op what Transformers' Llama, Mistral and Qwen2 classes compute (their decoder
+The pass computes op for op what Transformers' Llama, Mistral and Qwen2 classes compute (their decoder
 layers, SDPA attention as Transformers calls it in our passes on the CPU, gated MLP and RMSNorm;
 Mistral's and Qwen2's sliding windows are in the masks layout.py builds): the model's own logits, bit
-for bit, and the same cache writes. The modules it does not mirror it calls as they are, so every route of the
-pass applies (routing.py): the embedding, rotary, final norm and head, and each linear layer (LoRA
+for bit, and the same cache writes. The modules it does not mirror it calls as they are, so every
+route of the pass applies (routing.py): the embedding, rotary, final norm and head, and each linear layer (LoRA
 on: the LoRA layers, each row its adapter; a drafter's pass: LoRA off), the latter by its route
 called directly (Router.direct: no hook is on them), or by ``copy_of(layer)`` where that gives the
 drafter's own function for it (its low-precision copy).
