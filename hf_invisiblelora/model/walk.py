@@ -73,12 +73,20 @@ def foreign_hooks(module) -> bool:
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return True
     peft_hook = getattr(peft_lora_model, "_adapter_names_pre_forward_hook", None)
-    for m in module.modules():
-        for hook in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]:
-            inert = getattr(hook, "func", None) is peft_hook is not None \
-                or getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
-            if not inert:
-                return True
+    # Walked by hand, not by modules(): it runs once per call, over thousands of modules with many adapters.
+    stack, seen = [module], set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if m._forward_hooks or m._forward_pre_hooks:
+            for hook in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]:
+                inert = getattr(hook, "func", None) is peft_hook is not None \
+                    or getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+                if not inert:
+                    return True
+        stack.extend(c for c in m._modules.values() if c is not None)
     return False
 
 
