@@ -91,6 +91,15 @@ def test_a_ragged_pass_computes_only_its_real_tokens(monkeypatch):
     assert counts[-1] == len(NAMES) * len({n - 1 for n in lens})  # the head: the rows at positions 5, 0, 2
 
 
+def _greedy_call(seed: int):
+    """A tiny model, greedy generate() keywords over NAMES' rows of random prompts, and stock's tokens."""
+    model = tiny_peft("llama", strength=0.6)
+    ids = torch.randint(2, 64, (3, 7), generator=torch.Generator().manual_seed(seed))
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=NAMES, do_sample=False,
+              max_new_tokens=6, pad_token_id=0)
+    return model, kw, model.generate(**kw)
+
+
 @pytest.mark.parametrize("hooked", [False, True])
 def test_passes_run_in_inference_mode_unless_a_hook_may_keep_their_tensors(monkeypatch, hooked):
     """Our eager passes run in inference mode (cheaper per op than no_grad) and hand out plain logits;
@@ -98,12 +107,7 @@ def test_passes_run_in_inference_mode_unless_a_hook_may_keep_their_tensors(monke
     it keeps can be changed in place or used with autograd later. The tokens are stock's either way."""
     from hf_invisiblelora.model import forward
 
-    model = tiny_peft("llama", strength=0.6)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(2, 64, (3, 7), generator=g)
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=NAMES, do_sample=False,
-              max_new_tokens=6, pad_token_id=0)
-    stock = model.generate(**kw)
+    model, kw, stock = _greedy_call(seed=1)
     model.generate(**kw, output_hidden_states=True, return_dict_in_generate=True)  # Transformers' own hooks: inert
     modes, kept = [], []
     real = forward.model_pass
@@ -125,12 +129,7 @@ def test_a_call_in_the_callers_inference_mode_leaves_the_model_usable():
     """generate() inside the caller's torch.inference_mode(), as stock allows: what it leaves on the
     model (bank, draft copies and token counts) stays updatable, so a later call outside inference mode
     decodes as stock too (it raised: an in-place update of an inference tensor)."""
-    model = tiny_peft("llama", strength=0.6)
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(2, 64, (3, 7), generator=g)
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=NAMES, do_sample=False,
-              max_new_tokens=6, pad_token_id=0)
-    stock = model.generate(**kw)
+    model, kw, stock = _greedy_call(seed=2)
     ours = dict(invisible_lora=True, gate="always", num_draft_tokens=2, draft_dtype=torch.int8)
     with torch.inference_mode():
         assert torch.equal(model.generate(**kw, **ours), stock)
