@@ -56,6 +56,7 @@ class LoraMeta:
     masks: dict = field(default_factory=dict)
     active_slots: tuple | None = None  # host copy of active
     path: str | None = None  # the torch path this forward takes, once chosen (the bank's: lora/layer.py)
+    runs: list | None = None  # host list of the LoRA tokens' runs, once read (token_runs)
     static: bool = False  # shapes fixed: all slots and all tokens take part; see make_meta
 
     @property
@@ -111,6 +112,21 @@ def make_meta(token_slots: torch.Tensor, num_slots: int, previous: LoraMeta | No
     if previous is not None and previous.active_slots == active_slots:
         meta.cache = previous.cache
     return meta
+
+
+def token_runs(meta: LoraMeta) -> list:
+    """Semantics:
+        [(s, lo, hi) for each maximal run token_slots[lo:hi] == s of one slot s >= 0, in token order]
+    A prefill's rows are runs of consecutive tokens (fewer where neighbouring rows share an adapter).
+    Read to the host once per metadata (two small reads) and kept on it."""
+    if meta.runs is None and not meta.token_slots.shape[0]:
+        meta.runs = []
+    if meta.runs is None:
+        slots = meta.token_slots
+        starts = torch.cat([slots.new_zeros(1), (slots[1:] != slots[:-1]).nonzero().squeeze(1) + 1])
+        bounds = starts.tolist() + [slots.shape[0]]
+        meta.runs = [(s, lo, hi) for s, lo, hi in zip(slots[starts].tolist(), bounds, bounds[1:]) if s >= 0]
+    return meta.runs
 
 
 def get_backend(device: torch.device, dtype: torch.dtype = torch.float32):

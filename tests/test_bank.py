@@ -23,9 +23,9 @@ ADAPTERS = {
 }
 
 
-@pytest.fixture(autouse=True, params=["packed", "gathered"])
+@pytest.fixture(autouse=True, params=lora_layer.PATHS)
 def path(request, monkeypatch):
-    """Every test on both torch paths: the packed one (decode steps) and the gathered one (prefills)."""
+    """Every test on each torch path: packed (decode steps), gathered and runs (prefills)."""
     monkeypatch.setattr(lora_layer, "FORCE_PATH", request.param)
     return request.param
 
@@ -182,7 +182,8 @@ def test_siblings_share_one_shrink_only_for_the_same_input(monkeypatch, path):
     pm = build(adapters={"chat": ADAPTERS["chat"], "code": ADAPTERS["code"]})  # chat: all 7 modules
     bank = get_bank(pm)
     shrinks = []
-    owner, name = (bank.ops, "lora_shrink") if path == "gathered" else (lora_layer, "packed_shrink")
+    owner, name = {"gathered": (bank.ops, "lora_shrink"), "packed": (lora_layer, "packed_shrink"),
+                   "runs": (lora_layer, "runs_shrink")}[path]
     real = getattr(owner, name)
     monkeypatch.setattr(owner, name, lambda *a, **k: shrinks.append(1) or real(*a, **k))
     names = ["code", "chat"]

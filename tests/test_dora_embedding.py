@@ -95,9 +95,9 @@ def assert_rows_equal(batch, rows):
 # --- the bank's layers against PEFT's, one pass -----------------------------------------------------
 
 
-@pytest.fixture(params=["packed", "gathered"])
+@pytest.fixture(params=lora_layer.PATHS)
 def path(request, monkeypatch):
-    """Both torch paths: the packed one (decode steps) and the gathered one (prefills)."""
+    """Each torch path: packed (decode steps), gathered and runs (prefills)."""
     monkeypatch.setattr(lora_layer, "FORCE_PATH", request.param)
 
 

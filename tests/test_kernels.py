@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_invisiblelora.kernels import torch_lora
-from hf_invisiblelora.kernels.meta import get_backend, make_meta
+from hf_invisiblelora.kernels.meta import get_backend, make_meta, token_runs
 from hf_invisiblelora.kernels.reference import lora_reference
 
 PATTERNS = ["distinct", "uniform", "skewed", "identical", "with_none", "all_none", "sorted_rows"]
@@ -244,6 +244,21 @@ def test_make_meta():
     assert meta.num_lora_tokens == 5 and not meta.no_lora and meta.lora_range is None
     assert make_meta(torch.tensor([1, 1, 3, -1]), 4).lora_range == (0, 3)
     assert make_meta(torch.full((3,), -1), 4).no_lora
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_token_runs(seed):
+    """Maximal runs of one slot in token order, no-LoRA tokens left out, against a loop over the tokens."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(-1, 4, (int(torch.randint(0, 9, (1,), generator=g)),), generator=g)
+    token_slots = rows.repeat_interleave(torch.randint(1, 5, rows.shape, generator=g))
+    expected, slots = [], token_slots.tolist()
+    for t, s in enumerate(slots):
+        if expected and expected[-1][0] == s and expected[-1][2] == t:
+            expected[-1] = (s, expected[-1][1], t + 1)
+        elif s >= 0:
+            expected.append((s, t, t + 1))
+    assert token_runs(make_meta(token_slots, 4)) == expected
 
 
 def test_weight_cache_follows_active_set():

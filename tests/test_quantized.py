@@ -168,7 +168,7 @@ def quantized(saved, kind: str, dtype):
 
 @pytest.mark.parametrize("kind", [*TORCHAO, *BNB])
 @pytest.mark.parametrize("mixed", [True, False])
-@pytest.mark.parametrize("path", ["gathered", "packed"])
+@pytest.mark.parametrize("path", lora_layer.PATHS)
 def test_layer_adds_the_lora_term_as_peft(saved, kind, mixed, path, monkeypatch):
     """One quantized LoRA layer through the bank, bit for bit PEFT's, on both torch paths (``path``:
     gathered, packed): the base output of the layer's own forward, the LoRA term (float32 adapters

@@ -44,7 +44,7 @@ def overflowing(model, name="big"):
     return model
 
 
-@pytest.mark.parametrize("path", ["packed", "gathered"])
+@pytest.mark.parametrize("path", lora_layer.PATHS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("gate", ["never", "always"])
 def test_an_overflowing_adapter_leaves_other_rows_as_stock(monkeypatch, path, dtype, gate):

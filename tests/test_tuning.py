@@ -98,9 +98,9 @@ def test_draft_dtypes_follow_the_verdict(home, monkeypatch):
 
 
 def test_the_lora_path_is_timed_once_and_decodes_as_stock_either_way(home, monkeypatch):
-    """Several active adapters on the torch path: which of the packed and gathered ops computes a pass
-    is measured (lora/layer.py's torch_path), once per set of ranks and token count (rounded up to a
-    power of two), kept for the next process; either verdict decodes as stock."""
+    """Several active adapters on the torch path: which of its paths (packed, gathered, runs) computes a
+    pass is measured (lora/layer.py's torch_path), once per set of ranks, token count and run count
+    (rounded up to powers of two), kept for the next process; every verdict decodes as stock."""
     from hf_invisiblelora.lora import layer as lora_layer
 
     model = tiny_peft("llama", strength=0.6)
@@ -110,33 +110,35 @@ def test_the_lora_path_is_timed_once_and_decodes_as_stock_either_way(home, monke
               do_sample=False, max_new_tokens=6, pad_token_id=0)
     stock = model.generate(**kw)
     timed = []
-    for verdict in ("gathered", "packed"):
+    for verdict in lora_layer.PATHS:
         tuning.clear()
         for path in (home / "tuning").glob("*.json"):
             path.unlink()
 
-        def measure(bank, sample, slots, tokens, verdict=verdict):
-            timed.append((slots, tokens))
+        def measure(bank, sample, slots, tokens, runs, verdict=verdict):
+            timed.append((slots, tokens, runs))
             return {"path": verdict, "ms": {}}
         monkeypatch.setattr(lora_layer, "_time_paths", measure)
         before = len(timed)
         assert model.generate(**kw, invisible_lora=True, gate="never").tolist() == stock.tolist()
-        # The prefill's 36 tokens and the steps' 4 (the head sees as many), over slots s, b, c.
-        assert sorted(t for _, t in timed[before:]) == [4, 64] and all(len(s) == 3 for s, _ in timed[before:])
+        # The prefill's 36 tokens and the steps' 4 (the head sees as many), over slots s, b, c, in 4 runs (the rows).
+        assert sorted(t for _, t, _ in timed[before:]) == [4, 64]
+        assert all(len(s) == 3 and runs == 4 for s, _, runs in timed[before:])
         assert model.generate(**kw, invisible_lora=True, gate="never").tolist() == stock.tolist()
         assert len(timed) == before + 2  # the verdicts kept
     [path] = (home / "tuning").iterdir()
     saved = json.loads(path.read_text())["verdicts"]
-    assert sorted(v["path"] for k, v in saved.items() if k.startswith("lora_path:")) == ["packed", "packed"]
+    assert sorted(v["path"] for k, v in saved.items() if k.startswith("lora_path:")) == ["runs", "runs"]
 
 
-def test_the_lora_path_measurement_times_both_paths(home):
+def test_the_lora_path_measurement_times_every_path(home):
     from hf_invisiblelora.lora import layer as lora_layer
     from hf_invisiblelora.lora.bank import get_bank
 
     model = tiny_peft("llama", strength=0.6, dtype=torch.float32)
     bank = get_bank(model, adapters=("s", "b", "c"))
     sample = list(bank.layers.values())[: lora_layer.SAMPLE_LAYERS]
-    verdict = lora_layer._time_paths(bank, sample, (0, 1, 2), 64)
-    assert verdict["path"] in ("packed", "gathered") and set(verdict["ms"]) == {"packed", "gathered"}
+    verdict = lora_layer._time_paths(bank, sample, (0, 1, 2), 64, 4)
+    assert verdict["path"] in lora_layer.PATHS and set(verdict["ms"]) == set(lora_layer.PATHS)
     assert all(v > 0 for v in verdict["ms"].values())
+

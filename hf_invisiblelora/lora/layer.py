@@ -16,10 +16,11 @@ from torch import nn
 
 from .. import tuning
 from ..kernels import torch_lora
-from ..kernels.meta import make_meta
+from ..kernels.meta import make_meta, token_runs
 from ..model.context import real_tokens
 
-FORCE_PATH = None  # "packed" or "gathered": every pass on that torch path (tests: both are PEFT's numbers)
+PATHS = ("packed", "gathered", "runs")  # the torch paths (torch_path)
+FORCE_PATH = None  # one of PATHS: every pass on that torch path (tests: each gives PEFT's numbers)
 SAMPLE_LAYERS = 7  # the LoRA layers a path choice is timed on (a Llama decoder layer's: whole groups)
 
 
@@ -68,8 +69,11 @@ def _add_delta(bank, m, layer, x, x2, flat, meta, embedding: bool) -> None:
     round_delta = bank.round_delta or layer.rounds
     # DoRA scales the base output too: the delta apart first, in the adapters' dtype.
     delta = torch.zeros(flat.shape, dtype=bank.dtype, device=flat.device) if dora else flat
-    if bank.ops is torch_lora and (meta.static or torch_path(bank, meta, x2.shape[0]) == "packed"):
+    path = "packed" if meta.static else torch_path(bank, meta, x2.shape[0]) if bank.ops is torch_lora else None
+    if path == "packed":
         packed_delta(layer, x, x2, delta, meta, round_delta)
+    elif path == "runs":
+        runs_delta(layer, x, x2, delta, meta, round_delta)
     else:
         y = shrink(bank.ops, layer, x, x2, meta)
         bank.ops.lora_expand(delta, y, layer.B, meta, round_delta=round_delta)
@@ -80,33 +84,42 @@ def _add_delta(bank, m, layer, x, x2, flat, meta, embedding: bool) -> None:
 def torch_path(bank, meta, tokens: int) -> str:
     """Which torch path computes a pass of ``tokens`` tokens over ``meta``'s active slots: "packed"
     (packed_delta: every token times every active adapter, three ops per layer whatever their
-    number) or "gathered" (the shrink / expand ops of kernels/torch_lora.py: each token times its
-    own adapter, in grouped or padded matmuls). Which is faster depends on the CPU, the tokens and
-    the active adapters' ranks (on one Xeon, 2048 prefill tokens over four adapters: packed 0.68x the
-    gathered time at ranks 8-16, 1.05x at 16-64), so it is timed on the bank's own first layers,
-    once per machine for each set of ranks and token count rounded up to a power of two (tuning.py),
-    and kept on the metadata for the pass. One active adapter: packed (nothing is wasted)."""
+    number), "gathered" (the shrink / expand ops of kernels/torch_lora.py: each token times its own
+    adapter, in grouped or padded matmuls) or "runs" (runs_delta: two matmuls per run of tokens on
+    one adapter, at its own rank, on slices of the input and output). Which is faster depends on
+    the CPU, the tokens, how many runs they make and the active adapters' ranks (on one Xeon, 2048
+    prefill tokens in 8 rows over four adapters of ranks 16-64: runs 0.55x the gathered time,
+    packed 1.15x), so it is timed on the bank's own first layers, once per machine for each set of
+    ranks, token count and run count (each rounded up to a power of two: tuning.py), and kept on
+    the metadata for the pass. One active adapter: packed (nothing is wasted)."""
     if FORCE_PATH is not None:
         return FORCE_PATH
     if meta.path is None:
-        meta.path = "packed" if len(meta.active_slots) < 2 else _measured_path(bank, meta.active_slots, tokens)
+        meta.path = "packed" if len(meta.active_slots) < 2 else _measured_path(bank, meta, tokens)
     return meta.path
 
 
-def _measured_path(bank, slots: tuple, tokens: int) -> str:
-    bucket = 1 << max(0, tokens - 1).bit_length()
+def _bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _measured_path(bank, meta, tokens: int) -> str:
+    slots, runs = meta.active_slots, _bucket(len(token_runs(meta)))
+    tokens = max(_bucket(tokens), runs)
     sample = [layer for layer in bank.layers.values() if not layer.dora][:SAMPLE_LAYERS]
-    key = {"tokens": bucket, "layers": [[layer.module.out_features, layer.module.in_features,
-                                         [layer.ranks[s] for s in slots]] for layer in sample]}
-    return tuning.tuned("lora_path", key, lambda: _time_paths(bank, sample, slots, bucket))["path"]
+    key = {"tokens": tokens, "runs": runs,
+           "layers": [[layer.module.out_features, layer.module.in_features, [layer.ranks[s] for s in slots]]
+                      for layer in sample]}
+    return tuning.tuned("lora_path", key, lambda: _time_paths(bank, sample, slots, tokens, runs))["path"]
 
 
-def _time_paths(bank, sample, slots: tuple, tokens: int) -> dict:
-    """{"path": the faster, "ms": each one's time over ``sample``} for ``tokens`` tokens in runs of
-    equal length over ``slots`` (rows of a batch), the packed path the reference (tuning.pick)."""
-    per = -(-tokens // len(slots))
-    token_slots = torch.tensor(slots, device=bank.device).repeat_interleave(per)[:tokens]
-    meta = make_meta(token_slots, len(bank.adapter_names))
+def _time_paths(bank, sample, slots: tuple, tokens: int, runs: int) -> dict:
+    """{"path": the fastest, "ms": each one's time over ``sample``} for ``tokens`` tokens in ``runs``
+    runs of equal length, over ``slots`` in turn (the rows of a batch), the packed path the
+    reference (tuning.pick)."""
+    per = -(-tokens // runs)
+    token_slots = torch.tensor(slots, device=bank.device).repeat(-(-runs // len(slots)))[:runs]
+    meta = make_meta(token_slots.repeat_interleave(per)[:tokens], len(bank.adapter_names))
     xs = {n: torch.randn(tokens, n, dtype=bank.dtype, device=bank.device)
           for n in {layer.module.in_features for layer in sample}}
     outs = {layer: torch.zeros(tokens, layer.module.out_features, dtype=bank.dtype, device=bank.device)
@@ -118,18 +131,20 @@ def _time_paths(bank, sample, slots: tuple, tokens: int) -> dict:
             if layer.group is not None:
                 layer.group.clear()
 
-    def run(packed: bool):
+    def run(path: str):
         clear_groups()
         for layer in live:
             x = xs[layer.module.in_features]
-            if packed:
+            if path == "packed":
                 packed_delta(layer, x, x, outs[layer], meta, True)
+            elif path == "runs":
+                runs_delta(layer, x, x, outs[layer], meta, True)
             else:
                 bank.ops.lora_expand(outs[layer], shrink(bank.ops, layer, x, x, meta), layer.B, meta)
         if bank.device.type == "cuda":  # the torch path forced on a GPU: time its work, not its launches
             torch.cuda.synchronize(bank.device)
     with torch.no_grad():
-        times = tuning.fastest({"packed": lambda: run(True), "gathered": lambda: run(False)})
+        times = tuning.fastest({path: lambda path=path: run(path) for path in PATHS})
     clear_groups()
     return {"path": tuning.pick(times, "packed"), "ms": {k: round(v * 1e3, 3) for k, v in times.items()}}
 
@@ -168,14 +183,40 @@ def packed_delta(layer, x, x2, out, meta, round_delta: bool) -> None:
         slots = meta.active_slots
         own, packed = layer.packs.get(slots, layer.pack), group and group.packs.get(slots, group.pack)
         columns = packed and packed.columns[id(layer)]
-    B = own.B
     if group is None:
         y = packed_shrink(x2, own, meta)
     else:
         y = shared(group, x, meta, lambda: packed_shrink(x2, packed, meta))[:, columns]
+    add_product(out, y, own.B, round_delta)
+
+
+def runs_delta(layer, x, x2, out, meta, round_delta: bool) -> None:
+    """out += each token's LoRA delta, run by run (kernels/meta.py's token_runs: a prefill's rows):
+    the run's slice of x2 times its adapter's A and B, views of the stacks at the adapter's rank (no
+    copies, gathers or masks; a group's shrink shared, as wide as its slot's widest layer). Two
+    matmuls per run: for runs of many tokens."""
+    group = layer.group
+    if group is None:
+        ys, start = runs_shrink(x2, layer.A, layer.ranks, meta), 0
+    else:
+        ys, start = shared(group, x, meta, lambda: runs_shrink(x2, group.A, group.ends, meta)), layer.cols[0]
+    for y, (s, lo, hi) in zip(ys, token_runs(meta)):
+        r = layer.ranks[s]
+        if r:
+            add_product(out[lo:hi], y[:, start : start + r], layer.B[s, :, :r].T, round_delta)
+
+
+def runs_shrink(x2, A, widths, meta) -> list:
+    """[x2[lo:hi] @ A[s, :widths[s]].T for each run (s, lo, hi) of token_runs(meta)]"""
+    return [x2[lo:hi] @ A[s, : widths[s]].T for s, lo, hi in token_runs(meta)]
+
+
+def add_product(out, y, B, round_delta: bool) -> None:
+    """out += y @ B in place, as PEFT adds a LoRA term: rounded to out's dtype first (``round_delta``:
+    a mixed batch), or summed in the adapters' dtype (one adapter; rows without LoRA add an exact 0)."""
     if round_delta or out.dtype == B.dtype:
         out.addmm_(y, B) if out.dtype == B.dtype else out.add_((y @ B).to(out.dtype))
-    else:  # PEFT's one-adapter numerics: the sum in the adapter's dtype (rows without LoRA add an exact 0)
+    else:
         out.copy_((out.to(B.dtype) + y @ B).to(out.dtype))
 
 

@@ -204,6 +204,9 @@ class Group:
             # writes to a layer's slot land in the group's stack.
             layer.A, layer.cols, layer.group = self.A[:, start : start + r], (start, start + r), self
             start += r
+        # Per slot, the columns a shrink of the slot needs: up to its last layer's rank (lora/layer.py's runs).
+        self.ends = [max((layer.cols[0] + r for layer in layers for r in [layer.ranks[s]] if r), default=0)
+                     for s in range(self.A.shape[0])]
         self._layers = [weakref.ref(layer) for layer in layers]  # weak: each layer holds its group
         self.packs = Packs()
         self.fixed = None
