@@ -154,6 +154,13 @@ def fastest(candidates: dict, repeats: int = REPEATS) -> dict:
     return best
 
 
+def sample_input(rows: int, features: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """A random [rows, features] input for timing, from a generator of its own: a measurement made
+    inside a seeded call leaves the caller's random stream (torch.manual_seed's) as it was."""
+    g = torch.Generator(device=device).manual_seed(0)
+    return torch.randn(rows, features, generator=g, device=device).to(dtype)
+
+
 def pick(times: dict, reference: str) -> str:
     """The fastest of ``times`` if it beats ``reference``'s time by MARGIN, else ``reference``."""
     best = min(times, key=times.get)

@@ -142,3 +142,20 @@ def test_the_lora_path_measurement_times_every_path(home):
     assert verdict["path"] in lora_layer.PATHS and set(verdict["ms"]) == set(lora_layer.PATHS)
     assert all(v > 0 for v in verdict["ms"].values())
 
+
+def test_measurements_inside_a_seeded_call_leave_its_random_stream(home):
+    """The first call on a machine measures its choices (the LoRA path, prepacking, the drafters'
+    dtypes) while it decodes: their timing inputs come from generators of their own, so a seeded
+    call samples what the same call samples once the verdicts are kept."""
+    model = tiny_peft("llama", strength=0.6, dtype=torch.float32)
+    ids = torch.randint(2, 64, (4, 9), generator=torch.Generator().manual_seed(5))
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=["s", "b", "c", "s"],
+              do_sample=True, max_new_tokens=8, pad_token_id=0, invisible_lora=True, gate="always",
+              num_draft_tokens=2)  # a fixed k: the "auto" gate's follows the timings of the call's passes
+    torch.manual_seed(11)
+    first = model.generate(**kw)
+    [path] = (home / "tuning").iterdir()
+    kinds = {k.split(":")[0] for k in json.loads(path.read_text())["verdicts"]}
+    assert {"lora_path", "prepack"} <= kinds, kinds  # measured during the first call
+    torch.manual_seed(11)
+    assert torch.equal(model.generate(**kw), first)

@@ -81,7 +81,7 @@ def _faster_dtypes(groups: dict) -> dict:
     first, AUTO_KEEP at most; "ms": each one's estimated pass}."""
     with torch.no_grad():
         sample = {shape: layers[:SAMPLE] for shape, layers in groups.items()}
-        xs = {shape: torch.randn(1, shape[1], dtype=shape[2]) for shape in sample}
+        xs = {shape: tuning.sample_input(1, shape[1], shape[2]) for shape in sample}
         ways = {"full": {shape: [(lambda x, m=m: nn.functional.linear(x, m.weight, m.bias)) for m in layers]
                          for shape, layers in sample.items()}}
         for d in AUTO:

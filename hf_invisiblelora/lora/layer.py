@@ -120,8 +120,7 @@ def _time_paths(bank, sample, slots: tuple, tokens: int, runs: int) -> dict:
     per = -(-tokens // runs)
     token_slots = torch.tensor(slots, device=bank.device).repeat(-(-runs // len(slots)))[:runs]
     meta = make_meta(token_slots.repeat_interleave(per)[:tokens], len(bank.adapter_names))
-    xs = {n: torch.randn(tokens, n, dtype=bank.dtype, device=bank.device)
-          for n in {layer.module.in_features for layer in sample}}
+    xs = {n: tuning.sample_input(tokens, n, bank.dtype, bank.device) for n in {layer.module.in_features for layer in sample}}
     outs = {layer: torch.zeros(tokens, layer.module.out_features, dtype=bank.dtype, device=bank.device)
             for layer in sample}
     live = [layer for layer in sample if not layer.live.isdisjoint(slots)]

@@ -97,7 +97,7 @@ def thresholds(modules) -> dict:
                     "packed": lambda m, x: packed_linear.linear(x, packed[m], m.bias)}
             wins = {shape: [] for shape in shapes}
             for tokens in TOKENS:
-                xs = {m.in_features: torch.randn(tokens, m.in_features) for m in sample}
+                xs = {m.in_features: tuning.sample_input(tokens, m.in_features) for m in sample}
                 best = {(way, shape): float("inf") for way in ways for shape in shapes}
                 for i in range(tuning.REPEATS + 1):  # interleaved passes; the first untimed
                     for way in (list(ways) if i % 2 else list(ways)[::-1]):
