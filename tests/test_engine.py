@@ -13,6 +13,7 @@ from peft import LoraConfig
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora.decode.batch import Phase
 from hf_invisiblelora.engine import Engine, InvalidRequest, Request
+from hf_invisiblelora.lora import layer as lora_layer
 from tiny import chi_square_p, tiny_peft
 
 NAMES = ["s", "b", "__base__", "c", "d"]
@@ -599,6 +600,25 @@ def test_prompts_ride_in_the_cycles_verify_passes(model, monkeypatch, fold):
         elif x[2:4] != (0, x[5]) and x[4]:
             chunks[-1] += 1
     assert max(chunks) == 1
+
+
+@pytest.mark.parametrize("path", lora_layer.PATHS)
+def test_ragged_passes_give_stock_tokens_on_every_torch_lora_path(model, monkeypatch, path):
+    """Prompt chunks folded into cycles beside decoding rows (ragged passes: each row's real tokens,
+    runs of several adapters and of none) on each torch LoRA path: standalone generate()'s tokens."""
+    monkeypatch.setattr(lora_layer, "FORCE_PATH", path)
+    g = torch.Generator().manual_seed(4)
+    jobs = [(random_prompt(g, n), a, m) for n, a, m in ((3, "s", 14), (19, "b", 5), (11, "__base__", 6), (23, "c", 4),
+                                                         (9, "d", 5))]
+    engine = Engine(model, max_batch=3, max_len=64, num_draft_tokens=2, gate="always", prefill_chunk=8,
+                    prefix_caching=False).start()
+    try:
+        with engine._wake:  # queued together
+            handles = [engine.submit(Request(p, adapter=a, max_tokens=m, temperature=0)) for p, a, m in jobs]
+        for (prompt, adapter, m), h in zip(jobs, handles):
+            assert h.result(60) == standalone(model, prompt, adapter, m), (path, adapter)
+    finally:
+        engine.stop()
 
 
 def test_a_join_costs_no_pass_of_its_own(model, monkeypatch):
