@@ -552,6 +552,20 @@ def spy_passes(monkeypatch):
     return log
 
 
+def chunking_engine(model):
+    """3 rows, prompts in chunks of 8 slots, prefix caching off (a prompt again is prefilled again)."""
+    return Engine(model, max_batch=3, max_len=64, num_draft_tokens=2, gate="always", prefill_chunk=8,
+                  prefix_caching=False).start()
+
+
+def queued_together_as_standalone(engine, model, jobs):
+    """``jobs`` ((prompt, adapter, max_tokens)) queued at once, greedy: each answer standalone generate()'s."""
+    with engine._wake:
+        handles = [engine.submit(Request(p, adapter=a, max_tokens=m, temperature=0)) for p, a, m in jobs]
+    for (prompt, adapter, m), h in zip(jobs, handles):
+        assert h.result(60) == standalone(model, prompt, adapter, m), adapter
+
+
 @pytest.mark.parametrize("fold", [True, False])
 def test_prompts_ride_in_the_cycles_verify_passes(model, monkeypatch, fold):
     """While rows decode, a joining prompt takes no pass of its own: it rides in a cycle's verify pass,
@@ -569,13 +583,9 @@ def test_prompts_ride_in_the_cycles_verify_passes(model, monkeypatch, fold):
     jobs = [(random_prompt(g, 37), "b", 6), (random_prompt(g, 3), "s", 56)] + \
         [(random_prompt(g, n), a, 6) for n, a in ((20, "__base__"), (29, "c"), (5, "d"))]
     # Prefix caching off: the same prompt again is the control of a whole prefill, not a cache hit.
-    engine = Engine(model, max_batch=3, max_len=64, num_draft_tokens=2, gate="always", prefill_chunk=8,
-                    prefix_caching=False).start()
+    engine = chunking_engine(model)
     try:
-        with engine._wake:  # queued together
-            handles = [engine.submit(Request(p, adapter=a, max_tokens=m, temperature=0)) for p, a, m in jobs]
-        for (prompt, adapter, m), h in zip(jobs, handles):
-            assert h.result(60) == standalone(model, prompt, adapter, m), adapter
+        queued_together_as_standalone(engine, model, jobs)
         sampled = {}
         for chunk in (8, None):
             # The scheduler reads the limits it was given: the next prompt's chunks follow this one
@@ -610,13 +620,9 @@ def test_ragged_passes_give_stock_tokens_on_every_torch_lora_path(model, monkeyp
     g = torch.Generator().manual_seed(4)
     jobs = [(random_prompt(g, n), a, m) for n, a, m in ((3, "s", 14), (19, "b", 5), (11, "__base__", 6), (23, "c", 4),
                                                          (9, "d", 5))]
-    engine = Engine(model, max_batch=3, max_len=64, num_draft_tokens=2, gate="always", prefill_chunk=8,
-                    prefix_caching=False).start()
+    engine = chunking_engine(model)
     try:
-        with engine._wake:  # queued together
-            handles = [engine.submit(Request(p, adapter=a, max_tokens=m, temperature=0)) for p, a, m in jobs]
-        for (prompt, adapter, m), h in zip(jobs, handles):
-            assert h.result(60) == standalone(model, prompt, adapter, m), (path, adapter)
+        queued_together_as_standalone(engine, model, jobs)
     finally:
         engine.stop()
 
