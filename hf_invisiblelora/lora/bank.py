@@ -119,13 +119,15 @@ class AdapterBank:
         self.groups = self._make_groups(transposed)
         # One route per layer for the bank's lifetime (routing.py). It reads the layer's stacks when it
         # runs: a rebuild while installed (a call's sync) moves slots and stacks together.
-        self._routes = {
-            m: (lambda original, x, *args, _m=m, **kwargs:
-                lora_layer.forward(self, _m, self.layers.get(_m), x, *args, **kwargs))
-            for _, m in self.modules
-        }
+        self._routes = {m: self._route(m) for _, m in self.modules}
         self.version += 1
         self._drop_prepared()
+
+    def _route(self, m):
+        def route(original, x, *args, **kwargs):
+            return lora_layer.forward(self, m, self.layers.get(m), x, *args, **kwargs)
+        route.direct = lambda original, router, drafter: lora_layer.direct(self, m, router, drafter)  # Router.direct's
+        return route
 
     def _drop_prepared(self) -> None:
         # Metadata carries prepared copies of the stacks (torch path): they are stale now.

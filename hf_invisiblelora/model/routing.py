@@ -66,12 +66,14 @@ class Router:
 
     def direct(self, module, drafter=None):
         """x -> what ``module(x)`` computes in a pass of ``drafter`` (None: LoRA on), without the module
-        call around it: for a module no hook is on (llama_pass.py calls its linear layers so)."""
+        call around it: for a module no hook is on (llama_pass.py calls its linear layers so). A route
+        may have a form of its own for that (``route.direct(original, router, drafter)``: the adapter bank's)."""
         route = self.route_for(module, drafter)
         if route is None:
             return module.forward
         original = self.originals[module] or types.MethodType(type(module).forward, module)
-        return functools.partial(route, original)
+        own = getattr(route, "direct", None)
+        return functools.partial(route, original) if own is None else own(original, self, drafter)
 
     def _forward(self, module):
         original = module.forward  # the class's (or a forward another library set on the instance)
