@@ -50,7 +50,7 @@ def direct(bank, m, router, drafter):
     """x -> ``forward``'s output for LoRA layer ``m`` in a pass of ``drafter``, for the passes run as
     plain functions (model/llama_pass.py, made once per call): a plain Linear base layer's checks made
     and its weight and bias read once per call, not per pass (a call's weights are fixed: derived.py).
-    Measured at one row on SmolLM2: the LoRA-on step 49.0 -> about 46 ms."""
+    Measured on SmolLM2 (one process, interleaved): LoRA-on passes 1.04-1.07x faster at one row."""
     base = m.base_layer
     if not plain_linear(router, base, drafter):
         return lambda x: forward(bank, m, bank.layers.get(m), x)
