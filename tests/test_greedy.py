@@ -1,5 +1,7 @@
 """Greedy InvisibleLoRA output is token-identical to standard PEFT multi-LoRA decoding (float64)."""
 
+import gc
+
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -113,6 +115,39 @@ def test_custom_stopping_criteria():
     ref = standard(model, ids, mask, ROWS, max_new_tokens=12, stopping_criteria=crit)
     out = invisible(model, ids, mask, ROWS, max_new_tokens=12, stopping_criteria=crit, num_draft_tokens=4)
     assert torch.equal(out, ref)
+
+
+class _SeesCollector(StoppingCriteria):
+    """Records whether Python's cyclic collector runs during the call; fails at ``fail_at`` calls."""
+
+    def __init__(self, fail_at=None):
+        self.seen, self.fail_at = [], fail_at
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.append(gc.isenabled())
+        if len(self.seen) == self.fail_at:
+            raise RuntimeError("a criterion failed")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_call_holds_off_the_collector_and_gives_it_back(enabled):
+    """The cyclic collector is off while a call runs (api._no_collection) and as the caller had it
+    after, also after a call that failed; the output is stock's."""
+    model = tiny_peft("llama", strength=0.6)
+    ids, mask = prompts(LENGTHS)
+    ref = standard(model, ids, mask, ROWS, max_new_tokens=6)
+    (gc.enable if enabled else gc.disable)()
+    try:
+        seen = _SeesCollector()
+        out = invisible(model, ids, mask, ROWS, max_new_tokens=6, stopping_criteria=StoppingCriteriaList([seen]))
+        assert torch.equal(out, ref) and seen.seen and not any(seen.seen) and gc.isenabled() == enabled
+        failing = _SeesCollector(fail_at=2)
+        with pytest.raises(RuntimeError, match="a criterion failed"):
+            invisible(model, ids, mask, ROWS, max_new_tokens=6, stopping_criteria=StoppingCriteriaList([failing]))
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable()
 
 
 def test_num_return_sequences_expands_adapters():
