@@ -44,7 +44,7 @@ from .model.layout import prompt_positions
 from .model.rotary import Recompute, length_dependent, recompute_slot
 from .model.state import state_of
 from .options import Options
-from .model.walk import BASE
+from .model.walk import BASE, submodules
 
 logger = logging.getLogger("hf_invisiblelora")
 OPTIONS = (*Options.names(), "generator")  # generate() keywords that only InvisibleLoRA reads
@@ -150,7 +150,8 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     lora_backend = choose_lora_backend(model, names, lora_backend)
     compile_backend = backend_for(compile, model.device, model.dtype, lora_backend)
     # Compiled passes follow neither RoPE that depends on the length nor modules_to_save (checks.check_compile).
-    eager = any(length_dependent(m) for m in inner.modules()) or saves_modules(inner)
+    modules = submodules(inner)  # the call's one walk of the model as it is now
+    eager = any(length_dependent(m) for m in modules) or saves_modules(modules)
     if compile == "auto" and eager:
         compile_backend = None
     check_compile(compile_backend, inner)
@@ -165,7 +166,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     state = state_of(model)
 
     call = Call(model, state, names, mixed, stats, streamer, options, lora_backend, compile_backend, warm_only,
-                generator, draft_vocab, draft_dtypes)
+                generator, draft_vocab, draft_dtypes, modules)
     with state.hold():
         out = inner.generate(input_ids, custom_generate=functools.partial(decode, call), **kwargs)
         state.stats = stats
@@ -189,6 +190,7 @@ class Call:
     generator: object
     draft_vocab: object  # checked token ids, or a number of tokens
     draft_dtypes: tuple
+    modules: list  # the base model's modules, walked once for the call (walk.submodules)
 
 
 def decode(call: Call, inner, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
@@ -248,7 +250,7 @@ def decode(call: Call, inner, input_ids, logits_processor, stopping_criteria, ge
         prepack=options.prepack, span=b, pad_id=pad_id, eos=None if eos is None else eos.to(input_ids.device),
         criteria=stopping.criteria, freeze=stopping.pads, time_limits=stopping.time_limits,
         recompute=None if slot is None else Recompute(slot, b), scores=history,
-        keep_prefill=want_scores or want_logits,
+        keep_prefill=want_scores or want_logits, modules=call.modules,
     )
     fwd = session.fwd
     past = given.get_seq_length() if given is not None else 0

@@ -171,7 +171,7 @@ def check_compile(backend, inner) -> None:
     if backend is not None and any(length_dependent(m) for m in inner.modules()):
         raise ValueError("compile=True does not support rotary embeddings that depend on the sequence length "
                          "(dynamic NTK, LongRoPE); use compile=False.")
-    if backend is not None and saves_modules(inner):
+    if backend is not None and saves_modules(inner.modules()):
         raise ValueError("compile=True does not support adapters with modules_to_save (each pass picks every "
                          "row's copy of those modules on the host); use compile=False.")
 

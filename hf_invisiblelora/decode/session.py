@@ -27,7 +27,7 @@ from ..model.forward import CompiledForward, EagerForward
 from ..model.llama_pass import direct_pass
 from ..model.prepack import PackedLinears
 from ..model.rotary import StepRotary
-from ..model.walk import BASE, foreign_hooks
+from ..model.walk import BASE, foreign_hooks, submodules
 from ..threads import Contention
 from .decoder import Decoder
 from .drafters import BaseModelDrafter
@@ -67,13 +67,15 @@ class Session:
     model as it is (several: the gate picks one per cycle); ``compile_backend``: None (eager), "inductor" or "cuda_graphs" (forward.py),
     in the bucket of ``length`` slots if given; ``prepack``: the eager passes' linear layers on
     prepacked weights ("auto", True, False: prepack.py); ``together``: the rows end together (a
-    generate call; False: a serving engine's requests), which the gate weighs (gate.py); the other
-    keywords go to the Decoder."""
+    generate call; False: a serving engine's requests), which the gate weighs (gate.py); ``modules``:
+    the call's walk of the base model (walk.submodules), if it made one; the other keywords go to
+    the Decoder."""
 
     def __init__(self, model, state, policy, *, capacity: int, width: int, mixed: bool, lora_backend: str = "bank",
                  gate: str = "auto", num_draft_tokens: int = 4, drafters=None, compile_backend=None, length=None,
-                 prepack="auto", together: bool = True, **decoder_options):
+                 prepack="auto", together: bool = True, modules=None, **decoder_options):
         inner = model.get_base_model()
+        self._modules = modules if modules is not None else submodules(inner)  # installed() walks again later
         self.inner, self.state, self.mixed = inner, state, mixed
         self.check = SourceCheck()  # every derived copy checked against its sources once (derived.py)
         lora = SWITCHES[lora_backend](model, mixed, self.check)
@@ -87,7 +89,7 @@ class Session:
             state.gate = GateMemory()
         self.gate = Gate(gate, num_draft_tokens, state.gate, BASE, passes=compile_backend or "eager",
                          drafters=tuple(d.key for d in self.drafters), together=together)
-        self.rotary = StepRotary(inner, self.fwd.layout)
+        self.rotary = StepRotary(self._modules, self.fwd.layout)
         # Compiled passes trace the layers as they are: Inductor lays out weights its own way.
         self.packed = PackedLinears(model, state, prepack, self.check) if compile_backend is None else None
         self.decoder = Decoder(self.fwd, lora, policy, self.gate, self.drafters, capacity=capacity,
@@ -98,7 +100,8 @@ class Session:
         context = self.fwd.context
         # A user's hook may keep a pass's tensors (and use them with autograd, or change them in
         # place): then plain no_grad passes, as stock's; else inference mode where the forward has it.
-        hooked = foreign_hooks(self.inner)
+        modules, self._modules = self._modules or submodules(self.inner), None
+        hooked = foreign_hooks(modules)
         self.fwd.inference = type(self.fwd).inference and not hooked
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.decoder.lora.installed(context))

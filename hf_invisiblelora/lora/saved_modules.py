@@ -30,9 +30,9 @@ from ..model.routing import ALL
 from ..model.walk import all_modules
 
 
-def saves_modules(model) -> bool:
-    """Whether some adapter of the model trains a whole module (a modules_to_save wrapper)."""
-    return any(isinstance(m, ModulesToSaveWrapper) for m in model.modules())
+def saves_modules(modules) -> bool:
+    """Whether some adapter trains a whole module (a modules_to_save wrapper among ``modules``)."""
+    return any(isinstance(m, ModulesToSaveWrapper) for m in modules)
 
 
 class SavedModules:

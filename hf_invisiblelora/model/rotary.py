@@ -60,14 +60,14 @@ def _each(out, f):
 
 
 class StepRotary:
-    """Per-slot rotary embeddings for the length-dependent rotary modules of one call.
+    """Per-slot rotary embeddings for the length-dependent rotary modules of one call (among ``modules``).
 
     ``layout``: the call's RowLayout (the position table; its pass context: the pass's rows, query
     slots and prefix, and whether the running thread is the call's: other threads get the module as is).
     """
 
-    def __init__(self, model, layout):
-        self.modules = [m for m in model.modules() if length_dependent(m)]
+    def __init__(self, modules, layout):
+        self.modules = [m for m in modules if length_dependent(m)]
         self.layout, self.context = layout, layout.context
         self.originals = {}  # module -> its forward before installation
         self.after_prefill = {}  # module -> state after the prompt's step

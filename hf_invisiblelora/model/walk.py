@@ -64,29 +64,37 @@ def adapter_copies(model) -> set:
     return _walk(model).saved
 
 
-def foreign_hooks(module) -> bool:
+def submodules(root) -> list:
+    """Every module under ``root``, itself included, each once, as it is now (not the kept walk):
+    what a call checks for what a user may have put in since the adapters last changed (hooks,
+    rotary modules). One walk per call, by hand (not modules(): no names made), which the call's
+    checks share: a walk costs milliseconds with many adapters (thousands of modules)."""
+    out, stack, seen = [], [root], set()
+    while stack:
+        m = stack.pop()
+        if id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+            stack.extend(c for c in m._modules.values() if c is not None)
+    return out
+
+
+def foreign_hooks(modules) -> bool:
     """Whether code other than ours, PEFT's and Transformers' sees the tensors of a pass through
-    ``module``'s submodules: a forward hook or pre-hook on one of them, or one of torch's global
-    module hooks; such code may keep them for later use. Not counted: PEFT's injection of
+    ``modules`` (``submodules``'s walk): a forward hook or pre-hook on one of them, or one of torch's
+    global module hooks; such code may keep them for later use. Not counted: PEFT's injection of
     adapter_names, and Transformers' output-capturing hooks, which record nothing unless the
     model's own call asks for hidden states or attentions (ours never do)."""
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return True
     peft_hook = getattr(peft_lora_model, "_adapter_names_pre_forward_hook", None)
-    # Walked by hand, not by modules(): it runs once per call, over thousands of modules with many adapters.
-    stack, seen = [module], set()
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
+    for m in modules:
         if m._forward_hooks or m._forward_pre_hooks:
             for hook in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]:
                 inert = getattr(hook, "func", None) is peft_hook is not None \
                     or getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
                 if not inert:
                     return True
-        stack.extend(c for c in m._modules.values() if c is not None)
     return False
 
 
