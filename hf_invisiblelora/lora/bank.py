@@ -89,6 +89,11 @@ class AdapterBank:
             self._build(check)
             self._signature = signature
             return
+        self.refresh(adapters, check)
+
+    def refresh(self, adapters, check: SourceCheck) -> None:
+        """``sync``'s second half, for a structure already followed with ``check`` (the same call):
+        rewrite the slots of ``adapters`` whose sources changed."""
         changed = [(layer, slot, a) for layer in self.layers.values() for slot, a in layer.changed(check, adapters)]
         for layer, slot, a in changed:
             layer.write(slot, a, check)

@@ -91,8 +91,9 @@ class BankSwitch:
     def set_rows(self, adapter_names: list) -> None:
         """Each row's adapter (None or "__base__": none)."""
         new = {a for a in adapter_names if a and a != BASE} - self._synced
-        if new:  # compare these adapters' weights with the bank's copy once per switch (one per call)
-            self.bank.sync(new, self.check)
+        if new:  # compare these adapters' weights with the bank's copy once per switch (one per call; the
+            # bank's structure was followed when the switch was made: a change of adapters makes a new switch)
+            self.bank.refresh(new, self.check)
             self.bank.check_finite(new)
             self._synced |= new
         names = [a or BASE for a in adapter_names]
