@@ -299,6 +299,26 @@ def test_a_check_reads_each_tensor_once(monkeypatch):
     assert check((w,)) != derived.SourceCheck()((w,))  # a check is one moment: a new one reads again
 
 
+def test_prefetch_gives_the_digests_a_check_reads(monkeypatch):
+    """Digests made on torch's threads at once (SourceCheck.prefetch) are those a check makes one by
+    one, each tensor read once (a tensor listed twice too), and a new check still sees a change."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    g = torch.Generator().manual_seed(1)
+    ws = [torch.randn(n, 8, generator=g) for n in (5, 7, 9, 11, 2)] + [torch.randint(0, 9, (6,), generator=g)]
+    reads = []
+    real = derived._digest_bits
+    monkeypatch.setattr(derived, "_digest_bits", lambda t: reads.append(t.data_ptr()) or real(t))
+    check = derived.SourceCheck()
+    check.prefetch([*ws, ws[0], None, 2.0])
+    assert sorted(reads) == sorted(w.data_ptr() for w in ws)
+    assert check(tuple(ws)) == derived.SourceCheck()(tuple(ws))
+    assert len(reads) == 2 * len(ws)  # the prefetched check read nothing again; the fresh one read each once
+    ws[3].data[1, 1] += 1
+    check2 = derived.SourceCheck()
+    check2.prefetch(ws)
+    assert check2((ws[3],)) != check((ws[3],)) and check2((ws[0],)) == check((ws[0],))
+
+
 # --- processors that leave the draft vocabulary no mass --------------------------------------------------
 
 SMALL, PROMPT = 16, torch.tensor([[5, 2, 7, 3]])

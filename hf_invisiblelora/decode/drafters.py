@@ -142,7 +142,7 @@ class BaseModelDrafter:
         inner = model.get_base_model()
         self.model, self.state = model, state
         self.vocab, self.dtype = vocab, dtype
-        self._mask, self._routed = None, {}
+        self._mask, self._routed, self._sources = None, {}, None
         self.head = _base(inner.get_output_embeddings())
         size = size if size is not None else None if vocab is None else len(vocab)
         self.key = "".join([f"/vocab{size}" if vocab is not None else "", f"/{dtype}" if dtype else ""])
@@ -193,6 +193,7 @@ class BaseModelDrafter:
                 routed[layer] = (draft(self.key), _lora_off(layer.base_layer, routed.get(layer.base_layer)))
         if self.vocab is not None:
             routed[self.head] = (draft(self.key), _route(lambda: self._restricted(self.head)))
+        self._sources = [t for m in routed for t in (getattr(m, "weight", None), getattr(m, "bias", None))]
         with context.router.routing(routed):  # in this drafter's passes only (routing.py)
             yield self
 
@@ -208,6 +209,9 @@ class BaseModelDrafter:
     def ready(self) -> None:
         """Make (or check) the copies now (Decoder.cycle, before a draft pass): not inside the pass the
         gate times, nor inside a compiled pass, which cannot hash them while it traces."""
+        if self._sources:  # the weights read at once (derived.py), at the call's first draft pass
+            self.check.prefetch(self._sources)
+            self._sources = None
         for _, route in self._routed.values():
             route.ready()
 

@@ -25,6 +25,7 @@ half-old, half-new weights in one step, an output no one can specify.
 from __future__ import annotations
 
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import xxhash
@@ -110,6 +111,25 @@ class SourceCheck:
             else:
                 out.append(digest(s))
         return tuple(out)
+
+    def prefetch(self, tensors) -> None:
+        """Digest the CPU tensors among ``tensors`` now, on torch's CPU threads at once, for the
+        copies checked one by one after: xxh3 lets go of the GIL and reading the weights is bound by
+        memory, which one thread does not saturate (SmolLM2's 540 MB: 47 ms on one thread of a Xeon,
+        25 ms on two)."""
+        todo = {}
+        for t in tensors:
+            hit = self._memo.get(id(t))
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and (hit is None or hit[0]() is not t):
+                todo[id(t)] = t
+        n = min(torch.get_num_threads(), len(todo))
+        if n < 2:
+            return
+        chunks = [list(todo.values())[i::n] for i in range(n)]  # interleaved: the layers' sizes repeat
+        with ThreadPoolExecutor(n) as pool:
+            for chunk in pool.map(lambda ts: [(t, digest(t)) for t in ts], chunks):
+                for t, d in chunk:
+                    self._memo[id(t)] = (weakref.ref(t), d)
 
 
 class DerivedCopies:

@@ -148,6 +148,7 @@ class PackedLinears:
             state.packed = DerivedCopies()
             return
         check = check or SourceCheck()
+        check.prefetch([m.weight for m in modules])
         with torch.no_grad():
             self.copies = {m: (kept.get(m, self.KIND, (m.weight,), lambda m=m: packed_linear.pack(m.weight), check),
                                fewest[_shape(m)]) for m in modules}
