@@ -612,3 +612,35 @@ def test_sampling_processor_list_matches_generate(smodel):
                             max_new_tokens=1, **case.kwargs)
         ours = [type(p).__name__ for p in case.processors()]
         assert [n for n in order if n != "TopKLogitsWarper" or case.id == "top_k"] == ours, case.id
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_length_processors_in_one_call_equal_one_call_per_row(seed):
+    """process_scores applies the min-length processors (and the scores-only ones) to every row and
+    position in one call each: the same scores as calling each processor on that row's own length,
+    as standard decoding's step at that length does (random lengths straddling the minimums, EOS ids
+    at either end of the vocabulary, a subclass with its own __call__ taking the per-length road)."""
+    from hf_invisiblelora.decode.processors import process_scores
+
+    class OwnCall(lp.MinNewTokensLengthLogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return super().__call__(input_ids, scores) * 1.0
+
+    g = torch.Generator().manual_seed(seed)
+    b, q, v, prompt = 5, 3, 11, 4
+    lengths = (prompt + torch.randint(0, 6, (b,), generator=g)).tolist()
+    tokens = torch.randint(0, v, (b, max(lengths) + q), generator=g)
+    logits = torch.randn(b, q, v, generator=g)
+    eos = [0, v - 1]
+    for processors in ([lp.MinNewTokensLengthLogitsProcessor(prompt, 3, eos)],
+                       [lp.TemperatureLogitsWarper(0.7), lp.MinLengthLogitsProcessor(prompt + 4, eos),
+                        lp.MinNewTokensLengthLogitsProcessor(prompt, 2, eos[1:]), lp.TopKLogitsWarper(4)],
+                       [OwnCall(prompt, 3, eos), lp.TemperatureLogitsWarper(0.5)]):
+        out = process_scores(LogitsProcessorList(processors), tokens, lengths, logits.clone())
+        for r in range(b):
+            for t in range(q):
+                want = logits[r, t][None].clone()
+                for p in processors:
+                    want = p(tokens[r : r + 1, : lengths[r] + t], want)
+                assert torch.equal(out[r, t], want[0]), (processors, r, t)
+        assert any(torch.isinf(out[r, t, 0]) for r in range(b) for t in range(q))  # a minimum applied somewhere

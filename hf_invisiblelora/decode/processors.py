@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,26 @@ _SCORES_ONLY = (
     lp.SuppressTokensLogitsProcessor,
     lp.LogitNormalization,
 )
+# Processors whose output depends on the scores and the length alone (input_ids' content is not
+# read): EOS masked while a row is short of a minimum length.
+_LENGTH_ONLY = (lp.MinLengthLogitsProcessor, lp.MinNewTokensLengthLogitsProcessor)
+
+
+def _short(p, kind, length: int) -> bool:
+    """Semantics: whether ``p`` (of class ``kind``, _LENGTH_ONLY) masks EOS at ``input_ids.shape[-1] == length``."""
+    if kind is lp.MinNewTokensLengthLogitsProcessor:
+        return length - p.prompt_length_to_skip < p.min_new_tokens
+    return length < p.min_length
+
+
+def _min_length(p, kind, flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Semantics: ``p`` (of class ``kind``) applied to each row i of ``flat`` [N, V] at length
+    ``lengths[i]``, in one op: its own torch.where(isin(vocab, eos), -inf, scores) where it applies."""
+    short = torch.tensor([_short(p, kind, n) for n in lengths], device=flat.device)
+    if not short.any():
+        return flat
+    eos = torch.isin(torch.arange(flat.shape[-1], device=flat.device), p.eos_token_id)
+    return torch.where(short[:, None] & eos, -math.inf, flat)
 
 
 def behaves_as(obj, classes: tuple) -> type | None:
@@ -85,11 +106,13 @@ def process_scores(processors, tokens: torch.Tensor, lengths: list[int], logits:
     if not processors:
         return scores
     b, q, v = scores.shape
-    if all(behaves_as(p, _SCORES_ONLY) for p in processors):
+    kinds = [behaves_as(p, _SCORES_ONLY) or behaves_as(p, _LENGTH_ONLY) for p in processors]
+    if all(kinds):  # one call each over all rows and positions, not one per length
         flat = scores.reshape(b * q, v)
         ids = tokens[:1, :1].expand(b * q, 1)  # unread by these processors
-        for p in processors:
-            flat = p(ids, flat)
+        flat_lengths = [lengths[r] + t for r in range(b) for t in range(q)]
+        for p, kind in zip(processors, kinds):
+            flat = _min_length(p, kind, flat, flat_lengths) if kind in _LENGTH_ONLY else p(ids, flat)
         return flat.reshape(b, q, v)
     rows = range(b) if rows is None else rows
     wanted = {}  # length -> [(row, position)]
