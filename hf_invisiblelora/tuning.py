@@ -47,6 +47,7 @@ FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "am
 _lock = threading.Lock()
 _memory: dict = {}  # (kind, key) -> verdict, this process's
 _files: dict = {}  # path -> its verdicts, read once
+_looked_up = [0]  # verdicts read from a file or measured (``lookups``)
 
 
 def cpu() -> tuple[str, tuple]:
@@ -111,6 +112,12 @@ def busy_cpus() -> float:
     return free_cpus(window=0.05)[2]
 
 
+def lookups() -> int:
+    """How many verdicts this process has read from the machine's file or measured so far: a pass
+    during which the count grew did work besides its own (the gate does not take its time)."""
+    return _looked_up[0]
+
+
 def tuned(kind: str, key, measure) -> dict:
     """The verdict of decision ``kind`` for ``key`` (JSON-able: shapes, row counts): from this process,
     else from the machine's file, else ``measure()`` (a JSON-able dict; logged, and saved unless the
@@ -119,6 +126,7 @@ def tuned(kind: str, key, measure) -> dict:
     with _lock:
         if name in _memory:
             return _memory[name]
+        _looked_up[0] += 1
         path = _path()
         saved = _read(path).get(name) if path is not None else None
         if saved is not None:

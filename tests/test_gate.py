@@ -362,3 +362,25 @@ def test_verify_costs_are_the_same_whoever_drafted():
     full.observe(0, [0, 0], [True, True], None, verify_s=0.3)
     cheap.observe(1, [1, 1], [True, True], draft_s=0.05, verify_s=0.31)
     assert cheap._costs()[0][:2] == pytest.approx([0.3, 0.36]) and full._costs()[0] is None  # no full draft timed
+
+
+def test_a_cycle_that_measured_a_choice_teaches_acceptance_not_costs(monkeypatch):
+    """A cycle during which a choice was measured or read (tuning.lookups grew: the first time a shape
+    is met on a machine) took longer than its passes: the gate keeps its acceptance, not its times.
+    Here every cycle looks so; the same calls with the count still record costs (the test has power)."""
+    from hf_invisiblelora import tuning
+    from hf_invisiblelora.model.state import state_of
+    from tiny import prompts, tiny_peft
+
+    model = tiny_peft("llama", strength=0.6)
+    ids, mask = prompts([5, 7, 4])
+    kw = dict(input_ids=ids, attention_mask=mask, adapter_names=["s", "b", "s"], do_sample=False, max_new_tokens=6,
+              invisible_lora=True, gate="always", num_draft_tokens=2)
+    count = iter(range(10**6))
+    with monkeypatch.context() as m:
+        m.setattr(tuning, "lookups", lambda: next(count))
+        model.generate(**kw)
+    memory = state_of(model).gate
+    assert memory.trials and not memory.costs
+    model.generate(**kw)
+    assert any(key[0] == "verify" for key in memory.costs) and any(key[0] == "draft" for key in memory.costs)

@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from .. import tuning
 from .batch import Batch, Phase, commit
 from .gate import Gate
 
@@ -167,7 +168,7 @@ class Decoder:
         k = self.gate.choose([row.left if row.decoding else 0 for row in self.rows[:hi]], labels)
         self.cycles, self.k = self.cycles + 1, k
         pick = self.gate.pick
-        builds, drafter = self.fwd.builds, self.drafters[pick]
+        builds, lookups, drafter = self.fwd.builds, tuning.lookups(), self.drafters[pick]
         if self.history:
             self.k_per_cycle.append(k)
             self.drafter_per_cycle.append(drafter.key if k else None)
@@ -198,9 +199,12 @@ class Decoder:
             row = self.rows[r]
             row.drafted, row.accepted, row.cycles = row.drafted + k, row.accepted + n_h[r], row.cycles + 1
         spans = self.timer.collect()
-        if self.fwd.builds == builds:  # not a pass's compilation (nor, for its cost, one with prompt slots)
-            self.gate.observe(k, n_h[:hi], [r in active for r in range(hi)], spans.get("draft"),
-                              spans["verify"] if joining is None else None, labels[pick])
+        # A cycle that compiled a pass or measured a choice (tuning.py: once per machine) took more
+        # than its passes' time: its acceptance counts, its times do not (nor, for its cost, the
+        # time of a verify pass with prompt slots).
+        timed = self.fwd.builds == builds and tuning.lookups() == lookups
+        self.gate.observe(k, n_h[:hi], [r in active for r in range(hi)], spans.get("draft") if timed else None,
+                          spans["verify"] if timed and joining is None else None, labels[pick])
         return committed
 
     def _joined(self, joining, logits, hi: int, n, next_token):

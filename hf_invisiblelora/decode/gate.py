@@ -296,11 +296,12 @@ class Gate:
     def observe(self, k: int, n_accepted: list[int], active: list[bool], draft_s: float | None,
                 verify_s: float | None, labels: list | None = None):
         """Learn from one cycle: k drafts, per-row accepted counts (rows active at its start), pass times
-        (``verify_s`` None: not this shape's cost, a pass that also ran prompt slots); ``labels``: the
-        picked drafter's classes of the rows' proposals (``choose``)."""
+        (None: not the passes' cost: a cycle that compiled or measured something, a verify pass that
+        also ran prompt slots); ``labels``: the picked drafter's classes of the rows' proposals (``choose``)."""
         m, j = self.memory, self.pick
         if k:
-            m.observe_cost(("draft", self.draft_shapes[j]), draft_s / k)
+            if draft_s is not None:
+                m.observe_cost(("draft", self.draft_shapes[j]), draft_s / k)
             for i, (n, act) in enumerate(zip(n_accepted, active)):
                 # Rows it had nothing for, and __base__ rows under the base model itself, teach nothing.
                 if act and (labels is None or labels[i] is not None) and not (self.is_base[i] and not self.drafters[j]):
