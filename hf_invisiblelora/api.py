@@ -61,9 +61,6 @@ class InvisibleLoRAOutput(GenerateDecoderOnlyOutput):
     stats: DecodingStats | None = None
 
 
-# What a call leaves on the model (the adapter bank, derived copies, token counts, caches) is updated in
-# place by later calls: made as plain tensors also when the caller runs in inference mode (whose tensors
-# could not be updated outside it). Our passes enter inference mode themselves (forward.py).
 @contextlib.contextmanager
 def _no_collection():
     """Python's cyclic collector held off for one call. A call makes thousands of short-lived objects
@@ -80,6 +77,9 @@ def _no_collection():
             gc.enable()
 
 
+# What a call leaves on the model (the adapter bank, derived copies, token counts, caches) is updated in
+# place by later calls: made as plain tensors also when the caller runs in inference mode (whose tensors
+# could not be updated outside it). Our passes enter inference mode themselves (forward.py).
 @torch.inference_mode(False)
 @_no_collection()
 def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 4, gate: str = "auto",
@@ -154,7 +154,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     eager = any(length_dependent(m) for m in modules) or saves_modules(modules)
     if compile == "auto" and eager:
         compile_backend = None
-    check_compile(compile_backend, inner)
+    check_compile(compile_backend, modules)
     # "auto" on the CPU: the compiled passes of a warmed-up bucket (warm_up), never a compilation.
     warm_only = compile == "auto" and compile_backend is None and not eager and lora_backend == "bank" \
         and model.device.type == "cpu"

@@ -167,11 +167,12 @@ def check_architecture(inner) -> None:
         )
 
 
-def check_compile(backend, inner) -> None:
-    if backend is not None and any(length_dependent(m) for m in inner.modules()):
+def check_compile(backend, modules) -> None:
+    """``modules``: the base model's (the call's walk, walk.submodules)."""
+    if backend is not None and any(length_dependent(m) for m in modules):
         raise ValueError("compile=True does not support rotary embeddings that depend on the sequence length "
                          "(dynamic NTK, LongRoPE); use compile=False.")
-    if backend is not None and saves_modules(inner.modules()):
+    if backend is not None and saves_modules(modules):
         raise ValueError("compile=True does not support adapters with modules_to_save (each pass picks every "
                          "row's copy of those modules on the host); use compile=False.")
 

@@ -104,32 +104,37 @@ class SourceCheck:
         out = []
         for s in sources:
             if isinstance(s, torch.Tensor):
-                hit = self._memo.get(id(s))
-                if hit is None or hit[0]() is not s:
-                    hit = self._memo[id(s)] = (weakref.ref(s), digest(s))
-                out.append(hit[1])
+                d = self._memo_of(s)
+                if d is None:
+                    d = self._keep(s, digest(s))
+                out.append(d)
             else:
                 out.append(digest(s))
         return tuple(out)
+
+    def _memo_of(self, t: torch.Tensor):
+        hit = self._memo.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
+
+    def _keep(self, t: torch.Tensor, d):
+        self._memo[id(t)] = (weakref.ref(t), d)
+        return d
 
     def prefetch(self, tensors) -> None:
         """Digest the CPU tensors among ``tensors`` now, on torch's CPU threads at once, for the
         copies checked one by one after: xxh3 lets go of the GIL and reading the weights is bound by
         memory, which one thread does not saturate (SmolLM2's 540 MB: 47 ms on one thread of a Xeon,
         25 ms on two)."""
-        todo = {}
-        for t in tensors:
-            hit = self._memo.get(id(t))
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and (hit is None or hit[0]() is not t):
-                todo[id(t)] = t
+        todo = list({id(t): t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                     and self._memo_of(t) is None}.values())
         n = min(torch.get_num_threads(), len(todo))
         if n < 2:
             return
-        chunks = [list(todo.values())[i::n] for i in range(n)]  # interleaved: the layers' sizes repeat
+        chunks = [todo[i::n] for i in range(n)]  # interleaved: the layers' sizes repeat
         with ThreadPoolExecutor(n) as pool:
             for chunk in pool.map(lambda ts: [(t, digest(t)) for t in ts], chunks):
                 for t, d in chunk:
-                    self._memo[id(t)] = (weakref.ref(t), d)
+                    self._keep(t, d)
 
 
 class DerivedCopies:
