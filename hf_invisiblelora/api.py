@@ -113,9 +113,9 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         occurrence of a row's last tokens in its prompt and output; no model pass), among the
         drafters the gate picks from (default True).
     prepack: the eager passes' float32 linear layers on the CPU run on copies of their weights
-        prepacked for oneDNN (the weights' size again in memory; prepack.py): "auto" (each layer from
-        the token count where its copy was measured faster on this CPU, tuning.py; where the copies
-        fit in half the memory available), True or False.
+        prepacked for oneDNN or MKL (the weights' size again in memory; prepack.py): "auto" (each layer
+        in the format and from the token count where its copy was measured faster on this CPU,
+        tuning.py; where the copies fit in half the memory available), True or False.
     With ``return_dict_in_generate=True`` the output has ``.stats`` (DecodingStats); the last
     call's stats are also at ``state_of(model).stats``. Calls on one model run one at a time.
     A ``cache=`` (``past_key_values=``) DynamicCache is extended in place, as standard decoding

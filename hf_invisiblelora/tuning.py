@@ -1,7 +1,7 @@
 """Choices made by measurement on the machine at hand, as cuDNN's benchmark mode and Triton's autotuner
 make them: every "auto" of the fast path goes through ``tuned``.
 
-    verdict = tuned("prepack", key, measure)    # measure() once per machine and key; cached on disk
+    verdict = tuned("prepack_format", key, measure)    # measure() once per machine and key; cached on disk
 
 What is fast depends on the CPU (its ISA: AVX2, AVX-512, AVX-512 BF16, AMX; its caches), on torch's
 kernels and on the thread count: a prepacked oneDNN matmul is up to 2x faster than ``F.linear`` at

@@ -138,7 +138,7 @@ def test_prepacked_weights_follow(route, which):
     diverged = divergences(model, ROWS, stock, ours, mask, ids.shape[1])
     assert all_near_ties(diverged), diverged
     for m in model.modules():  # every copy is of its layer's weight as it is now
-        copy = state_of(model).packed.kept(m, "packed")
+        copy = state_of(model).packed.kept(m, f"packed:{packed_linear.formats(torch.float32, 'cpu')[0]}")
         if copy is not None:
             x = torch.randn(3, m.in_features)
             torch.testing.assert_close(packed_linear.linear(x, copy, None), x @ m.weight.T, rtol=1e-5, atol=1e-5)
@@ -251,7 +251,8 @@ def test_quantized_after_a_warm_call():
                  filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and "lora_" not in fqn and "lm_head" not in fqn)
     assert_as_alone(generate(model, ids, mask, DORA_ROWS, **kw), each_alone(model, ids, mask, DORA_ROWS), atol=2e-5)
     quantized = [m for m in model.modules() if type(getattr(m, "weight", None)).__name__ == "Int8Tensor"]
-    assert quantized and not any(state_of(model).packed.kept(m, "packed") is not None for m in quantized)
+    kinds = [f"packed:{fmt}" for fmt in packed_linear.formats(torch.float32, torch.device("cpu"))]
+    assert quantized and not any(state_of(model).packed.kept(m, kind) is not None for m in quantized for kind in kinds)
 
 
 # --- the digests themselves -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from peft.utils.other import ModulesToSaveWrapper
 
 from hf_invisiblelora import api
 from hf_invisiblelora.engine import Engine, Request
+from hf_invisiblelora.kernels import packed_linear
 from hf_invisiblelora.model import context
 from hf_invisiblelora.model.state import state_of
 from hf_invisiblelora.model.walk import BASE
@@ -264,7 +265,8 @@ def test_prepacked_float32():
     rows, ids, mask = draw(11)
     kw = dict(max_new_tokens=10, num_draft_tokens=2, gate="always")
     packed = invisible(model, ids, mask, rows, prepack=True, **kw)
-    assert state_of(model).packed.kept(model.base_model.model.lm_head.modules_to_save["head"], "packed") is not None
+    fmt = packed_linear.formats(torch.float32, torch.device("cpu"))[0]  # prepack=True: the first format
+    assert state_of(model).packed.kept(model.base_model.model.lm_head.modules_to_save["head"], f"packed:{fmt}") is not None
     assert torch.equal(packed.sequences, invisible(model, ids, mask, rows, prepack=False, **kw).sequences)
 
 

@@ -17,14 +17,18 @@ ROWS = ["s", "b", "__base__", "c", "d", "s"]
 LENGTHS = [5, 9, 3, 7, 9, 1]
 
 
+FORMATS = packed_linear.formats(torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("seed", range(6))
-def test_kernel_matches_linear(seed):
+def test_kernel_matches_linear(seed, fmt):
     """Random shapes, with and without bias, 1-3 dimensional and strided inputs, 0 to 300 rows."""
     g = torch.Generator().manual_seed(seed)
     out_f, in_f = (int(v) for v in torch.randint(1, 200, (2,), generator=g))
     w = torch.randn(out_f, in_f, generator=g)
     bias = torch.randn(out_f, generator=g) if seed % 2 else None
-    packed = packed_linear.pack(w)
+    packed = packed_linear.pack(w, fmt)
     for shape in [(in_f,), (0, in_f), (1, in_f), (7, in_f), (300, in_f), (2, 5, in_f)]:
         x = torch.randn(*shape, generator=g)
         ref = torch.nn.functional.linear(x, w, bias)
@@ -61,7 +65,7 @@ def linears(model):
 def packed_of(model):
     """{layer: its prepacked copy} of the model's state."""
     kept = state_of(model).packed
-    return {m: kept.kept(m, "packed") for m in model.modules() if kept.kept(m, "packed") is not None}
+    return {m: copy for m in model.modules() for fmt in FORMATS if (copy := kept.kept(m, f"packed:{fmt}")) is not None}
 
 
 @pytest.mark.parametrize("gate", ["never", "always"])
@@ -92,9 +96,9 @@ def test_off_and_where_it_does_not_apply(monkeypatch):
     assert not calls and not state_of(model64).packed
 
 
-def always_faster(monkeypatch, fewest=1):
-    """prepack="auto" measured the copies faster from ``fewest`` tokens on, for every shape."""
-    monkeypatch.setattr(prepack, "thresholds", lambda modules: {prepack._shape(m): fewest for m in modules})
+def always_faster(monkeypatch):
+    """prepack="auto" measured the copies faster at every count, for every shape."""
+    monkeypatch.setattr(prepack, "choices", lambda modules: {prepack._shape(m): [FORMATS[0], prepack.TOKENS] for m in modules})
 
 
 def test_auto_leaves_them_out_without_the_memory(monkeypatch):
@@ -219,18 +223,73 @@ def test_engine_keeps_them_through_adapter_changes(monkeypatch, tmp_path):
         engine.stop()
 
 
-def test_auto_runs_each_copy_from_its_measured_token_count(monkeypatch):
-    """prepack="auto": a layer runs its copy for inputs of at least the token count measured faster
-    (here 12: the prompts' passes, not the one-token steps), F.linear below it, and layers whose copy
-    was never faster get none; the tokens are stock's."""
+def test_auto_runs_each_copy_at_its_measured_token_counts(monkeypatch):
+    """prepack="auto": a layer runs its copy for inputs whose nearest count of TOKENS at or below was
+    measured faster (here 6 and 32: the six rows' steps and the prompts' pass of 34 tokens; not 8 or
+    16), F.linear at the others, and layers whose copy was never faster get none; the tokens are
+    stock's."""
     model = fp32_model()
     ids, mask = prompts(LENGTHS)
     stock = greedy(model, ids, mask)
     never = prepack._shape(model.get_base_model().lm_head)
-    monkeypatch.setattr(prepack, "thresholds", lambda modules: {
-        prepack._shape(m): prepack.NEVER if prepack._shape(m) == never else 12 for m in modules})
+    monkeypatch.setattr(prepack, "choices", lambda modules: {
+        prepack._shape(m): [None, []] if prepack._shape(m) == never else [FORMATS[-1], [6, 32]] for m in modules})
     calls = counted(monkeypatch)
     ours = greedy(model, ids, mask, invisible_lora=True, gate="never")
-    assert calls and all(shape[:-1].numel() >= 12 for shape in calls)
+    tokens = {shape[:-1].numel() for shape in calls}
+    assert 6 in tokens and any(n >= 32 for n in tokens) and all(6 <= n < 8 or n >= 32 for n in tokens), tokens
     assert model.get_base_model().lm_head not in packed_of(model)
+    assert torch.equal(ours, stock) or all_near_ties(divergences(model, ROWS, stock, ours, mask, ids.shape[1]))
+
+
+@pytest.mark.skipif(len(FORMATS) < 2, reason="one prepacking format in this PyTorch build")
+def test_each_layer_runs_the_format_measured_for_its_shape_and_keeps_one_copy(monkeypatch):
+    """prepack="auto" with the formats measured differently per shape: each layer's copy is in its
+    shape's format, the tokens are stock's; measured again the other way round, every copy is made
+    anew in the other format and the first ones are dropped (one copy per layer)."""
+    model = fp32_model(seed=3)
+    ids, mask = prompts(LENGTHS)
+    stock = greedy(model, ids, mask)
+    state = state_of(model)
+    for flip in (0, 1):
+        monkeypatch.setattr(prepack, "choices", lambda modules: {
+            prepack._shape(m): [FORMATS[(m.out_features + flip) % 2], prepack.TOKENS] for m in modules})
+        ours = greedy(model, ids, mask, invisible_lora=True, gate="always", num_draft_tokens=2)
+        assert torch.equal(ours, stock) or all_near_ties(divergences(model, ROWS, stock, ours, mask, ids.shape[1]))
+        layers = [m for m in linears(model) if prepack._eligible(m)]
+        assert len(state.packed) == len(layers)
+        for m in layers:
+            fmt = FORMATS[(m.out_features + flip) % 2]
+            copy = state.packed.kept(m, f"packed:{fmt}")
+            assert copy is not None and isinstance(copy, packed_linear.MklPacked) == (fmt == "mkl")
+            x = torch.randn(5, m.in_features)
+            torch.testing.assert_close(packed_linear.linear(x, copy, m.bias), torch.nn.functional.linear(x, m.weight, m.bias),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_prepacked_base_layers_run_without_their_module_call(monkeypatch):
+    """In the steps run as plain functions (llama_pass.py), a LoRA layer's prepacked base layer, as
+    every prepacked layer, runs through its route's direct form, not through a call of the module
+    (about 210 module calls a step); the tokens are stock's."""
+    from hf_invisiblelora.model import routing
+
+    model = fp32_model()
+    ids, mask = prompts(LENGTHS)
+    stock = greedy(model, ids, mask)
+    bases = {m.base_layer for m in model.modules() if isinstance(getattr(m, "base_layer", None), torch.nn.Linear)}
+    step_calls = []  # the LoRA layers' base layers called with one token per row
+    real = routing.Router._forward
+
+    def counting(self, module):
+        forward = real(self, module)
+
+        def counted_forward(x, *args, **kwargs):
+            if module in bases and x.shape[:-1] == (len(ROWS), 1):
+                step_calls.append(module)
+            return forward(x, *args, **kwargs)
+        return counted_forward
+    monkeypatch.setattr(routing.Router, "_forward", counting)
+    calls = counted(monkeypatch)
+    ours = greedy(model, ids, mask, invisible_lora=True, gate="never", prepack=True)
+    assert bases and (len(ROWS), 1, 32) in calls and not step_calls
     assert torch.equal(ours, stock) or all_near_ties(divergences(model, ROWS, stock, ours, mask, ids.shape[1]))

@@ -13,6 +13,7 @@ import torch
 import hf_invisiblelora  # noqa: F401
 from hf_invisiblelora import tuning
 from hf_invisiblelora.decode import low_precision
+from hf_invisiblelora.kernels import packed_linear
 from hf_invisiblelora.model import prepack
 from hf_invisiblelora.model.walk import linears
 from tiny import tiny_peft
@@ -77,14 +78,16 @@ def test_pick_keeps_the_reference_unless_clearly_faster():
 def test_the_real_measurements_give_verdicts_of_their_form(home):
     model = tiny_peft("llama", strength=0.6, dtype=torch.float32)
     modules = [m for m in linears(model) if prepack._eligible(m)]
-    fewest = prepack.thresholds(modules)
-    assert set(fewest) == {prepack._shape(m) for m in modules}
-    assert all(v in prepack.TOKENS or v == prepack.NEVER for v in fewest.values())
+    chosen = prepack.choices(modules)
+    assert set(chosen) == {prepack._shape(m) for m in modules}
+    formats = packed_linear.formats(torch.float32, torch.device("cpu"))
+    assert all(fmt in formats and counts and set(counts) <= set(prepack.TOKENS) or (fmt, counts) == (None, [])
+               for fmt, counts in chosen.values())
     dtypes = low_precision.auto_dtypes(model)
     assert dtypes[0] is None and set(dtypes[1:]) <= set(low_precision.AUTO) and len(dtypes) <= 1 + low_precision.AUTO_KEEP
     [path] = (home / "tuning").iterdir()
     kinds = {name.split(":")[0] for name in json.loads(path.read_text())["verdicts"]}
-    assert kinds == {"prepack", "draft_dtype"}
+    assert kinds == {"prepack_format", "draft_dtype"}
 
 
 def test_draft_dtypes_follow_the_verdict(home, monkeypatch):
@@ -156,6 +159,6 @@ def test_measurements_inside_a_seeded_call_leave_its_random_stream(home):
     first = model.generate(**kw)
     [path] = (home / "tuning").iterdir()
     kinds = {k.split(":")[0] for k in json.loads(path.read_text())["verdicts"]}
-    assert {"lora_path", "prepack"} <= kinds, kinds  # measured during the first call
+    assert {"lora_path", "prepack_format"} <= kinds, kinds  # measured during the first call
     torch.manual_seed(11)
     assert torch.equal(model.generate(**kw), first)

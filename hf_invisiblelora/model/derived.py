@@ -156,10 +156,11 @@ class DerivedCopies:
         hit = self._items.get((id(module), kind))
         return hit[2] if hit is not None and hit[0]() is module else None
 
-    def keep_only(self, modules) -> None:
-        """Drop the copies of modules not in ``modules`` (modules gone from the model)."""
-        ids = {id(m) for m in modules}
-        self._items = {k: v for k, v in self._items.items() if k[0] in ids and v[0]() is not None}
+    def keep_only(self, kinds: dict) -> None:
+        """Keep only the copies of ``kinds``' {module: kind} (drop those of modules gone from the
+        model, and those of another kind)."""
+        wanted = {(id(m), kind) for m, kind in kinds.items()}
+        self._items = {k: v for k, v in self._items.items() if k in wanted and v[0]() is not None}
 
     def modules(self) -> list:
         """The modules with copies kept (those still alive)."""

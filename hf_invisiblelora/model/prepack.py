@@ -6,21 +6,22 @@
 Every plain ``nn.Linear`` with a plain float32 weight on the CPU (the base layers under PEFT's
 LoRA wrappers, the layers no adapter targets, the output head; not the adapters' own lora_A /
 lora_B, which the bank reads from its stacks; quantized layers compute as they are: quantized.py)
-can get a copy of its weight in oneDNN's layout (kernels/packed_linear.py), kept in the model state
-while the weight is unchanged; our passes (prefill, LoRA-on, draft, verify) run it, anything else
-(another thread, a user's processor calling the model) gets the layers as they are. A drafter's
-low-precision layers take the place of these in its passes.
+can get a copy of its weight packed once for oneDNN or for MKL (kernels/packed_linear.py), kept in
+the model state while the weight is unchanged; our passes (prefill, LoRA-on, draft, verify) run it,
+anything else (another thread, a user's processor calling the model) gets the layers as they are.
+A drafter's low-precision layers take the place of these in its passes.
 
-Whether the copy is faster than PyTorch's own ``F.linear`` depends on the CPU and on the tokens a
-pass gives the layer: on an AVX2 EPYC it was up to 2x faster at every count, on a Xeon with AMX
-2-3x slower at 1-2 tokens and faster from 4. So ``prepack="auto"`` measures both on the model's own
-layers, per weight shape and token count (``thresholds``; tuning.py: once per machine, cached), and
-a layer runs its copy only from the token count where the copy is faster, ``F.linear`` below it;
-layers whose copy is never faster get none. The copies cost the weights' size again in memory:
-"auto" makes none unless they fit in half the memory available. ``True``: every layer, every token
-count; ``False``: none. The output is the model's up to
-float32 rounding (another kernel: another order of summation, as a batch of another size is for
-MKL), so greedy tokens can differ from stock's only at near ties of its logits.
+Whether a copy is faster than PyTorch's own ``F.linear``, and which, depends on the CPU and on the
+tokens a pass gives the layer: on an AVX2 EPYC oneDNN's was up to 2x faster at every count; on a
+Xeon with AMX oneDNN's was 1.3-1.5x slower at 1-3 tokens and about even from 4, MKL's even at 1-2
+and 0.74-0.85x from 4. So ``prepack="auto"`` measures all three on the model's own layers, per
+weight shape and token count (``choices``; tuning.py: once per machine, cached), and a layer
+keeps the copy of the format that wins at the most counts and runs it at those counts, ``F.linear``
+at the others; layers whose copies are never faster get none. A copy costs the weight's size again in
+memory: "auto" makes none unless they fit in half the memory available. ``True``: every layer,
+every token count, the first format that works (oneDNN's); ``False``: none. The output is the
+model's up to float32 rounding (another kernel: another order of summation, as a batch of another
+size is for MKL), so greedy tokens can differ from stock's only at near ties of its logits.
 
 A copy is used only while its weight is provably the one it was made from (derived.py: every
 route of change is seen).
@@ -28,6 +29,7 @@ route of change is seen).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
@@ -45,10 +47,10 @@ from .routing import ALL
 from .walk import linears
 
 logger = logging.getLogger("hf_invisiblelora")
-# Tokens per layer at which "auto" times both matmuls; past the last, its verdict holds.
+# Tokens per layer at which "auto" times the matmuls; a count between two takes the verdict of the
+# one below it, and past the last, the last one's.
 TOKENS = (1, 2, 3, 4, 6, 8, 16, 32)
 SAMPLE_EVERY = 3  # the layers timed: every third in the model's order
-NEVER = 1 << 62
 
 
 def _eligible(m) -> bool:
@@ -79,68 +81,72 @@ def _shape(m) -> str:
     return f"{m.out_features}x{m.in_features}"
 
 
-def thresholds(modules) -> dict:
-    """{weight shape "out x in": the fewest tokens from which the prepacked copy is faster than
-    F.linear at every count of TOKENS (NEVER: at none)}, timed on a sample of the layers in the
-    model's order (every layer of SAMPLE_EVERY, so that the weights stream through the caches as in a
-    pass; each call timed, summed per shape, the fastest of the repeats; tuning.py: once per machine,
-    the reference F.linear)."""
+def choices(modules) -> dict:
+    """{weight shape "out x in": [the copy's format (kernels/packed_linear.py) or None, the counts of
+    TOKENS at which the copy is faster than F.linear]}, timed on a sample of the layers in the
+    model's order (every layer of SAMPLE_EVERY, so that the weights stream through the caches as in
+    a pass; each call timed, summed per shape, the fastest of the repeats; tuning.py: once per
+    machine, the reference F.linear). One copy per layer: the format faster at the most counts (a
+    tie: the one faster over them)."""
     shapes = sorted({_shape(m) for m in modules})
     sample = modules[::SAMPLE_EVERY] + [m for m in modules[-1:] if m not in modules[::SAMPLE_EVERY]]
     sample += [next(m for m in modules if _shape(m) == shape) for shape in shapes
                if all(_shape(m) != shape for m in sample)]  # every shape at least once
+    formats = packed_linear.formats(torch.float32, torch.device("cpu"))
 
     def measure():
         with torch.no_grad():
-            packed = {m: packed_linear.pack(m.weight) for m in sample}
-            ways = {"plain": lambda m, x: nn.functional.linear(x, m.weight, m.bias),
-                    "packed": lambda m, x: packed_linear.linear(x, packed[m], m.bias)}
-            wins = {shape: [] for shape in shapes}
+            packed = {(fmt, m): packed_linear.pack(m.weight, fmt) for fmt in formats for m in sample}
+            ways = {"plain": lambda m, x: nn.functional.linear(x, m.weight, m.bias)}
+            ways.update({fmt: lambda m, x, fmt=fmt: packed_linear.linear(x, packed[fmt, m], m.bias) for fmt in formats})
+            wins = {(fmt, shape): {} for fmt in formats for shape in shapes}  # {tokens: the copy's time} where it won
             for tokens in TOKENS:
                 xs = {m.in_features: tuning.sample_input(tokens, m.in_features) for m in sample}
                 best = {(way, shape): float("inf") for way in ways for shape in shapes}
                 for i in range(tuning.REPEATS + 1):  # interleaved passes; the first untimed
-                    for way in (list(ways) if i % 2 else list(ways)[::-1]):
-                        spent = dict.fromkeys(shapes, 0.0)
+                    order = list(ways)
+                    for way in order[i % len(order):] + order[: i % len(order)]:  # rotated: none always first
+                        took = dict.fromkeys(shapes, 0.0)
                         for m in sample:
                             start = time.perf_counter()
                             ways[way](m, xs[m.in_features])
-                            spent[_shape(m)] += time.perf_counter() - start
+                            took[_shape(m)] += time.perf_counter() - start
                         if i:
                             for shape in shapes:
-                                best[way, shape] = min(best[way, shape], spent[shape])
-                for shape in shapes:
-                    times = {way: best[way, shape] for way in ways}
-                    wins[shape].append(tuning.pick(times, "plain") == "packed")
-        # From the first count past which the copy always wins.
+                                best[way, shape] = min(best[way, shape], took[shape])
+                for fmt in formats:
+                    for shape in shapes:
+                        if tuning.pick({"plain": best["plain", shape], fmt: best[fmt, shape]}, "plain") == fmt:
+                            wins[fmt, shape][tokens] = best[fmt, shape]
         verdict = {}
-        for shape, won in wins.items():
-            first = next((i for i in range(len(TOKENS)) if all(won[i:])), None)
-            verdict[shape] = NEVER if first is None else TOKENS[first]
+        for shape in shapes:
+            won = {fmt: wins[fmt, shape] for fmt in formats if wins[fmt, shape]}
+            fmt = min(won, key=lambda f: (-len(won[f]), sum(won[f].values())), default=None)
+            verdict[shape] = [fmt, sorted(won.get(fmt, ()))]
         return verdict
-    return tuning.tuned("prepack", shapes, measure)
+    return tuning.tuned("prepack_format", shapes, measure)
 
 
 class PackedLinears:
     """See the module docstring. ``model``: the PEFT model; ``state``: its state, whose ``packed``
-    keeps the copies; ``check``: the call's source check (derived.py). ``copies``: {layer: (its copy,
-    the fewest tokens it runs the copy at)}."""
-
-    KIND = "packed"
+    keeps the copies (of kind "packed:<format>"); ``check``: the call's source check (derived.py).
+    ``copies``: {layer: (its copy, the counts of TOKENS it runs the copy at)}."""
 
     def __init__(self, model, state, mode="auto", check: SourceCheck | None = None):
         self.mode, self.copies = mode, {}
         modules = [m for m in linears(model) if _eligible(m)] if mode is not False else []
         if modules and mode == "auto":
-            fewest = thresholds(modules)
-            modules = [m for m in modules if fewest[_shape(m)] < NEVER]
-        else:
-            fewest = {_shape(m): 1 for m in modules}
+            chosen = choices(modules)
+            modules = [m for m in modules if chosen[_shape(m)][1]]
+        else:  # True: every layer at every count, in the first format that works here
+            fmt = packed_linear.formats(torch.float32, torch.device("cpu"))[:1]
+            chosen = {_shape(m): [*fmt, TOKENS] for m in modules}
+        kinds = {m: f"packed:{chosen[_shape(m)][0]}" for m in modules}
         kept = state.packed
-        kept.keep_only(modules)  # copies of layers no longer in the model (or no longer faster) are dropped
+        kept.keep_only(kinds)  # copies of layers no longer in the model (or no longer faster, or another format) are dropped
         if not modules:
             return
-        new = sum(m.weight.numel() * 4 for m in modules if kept.kept(m, self.KIND) is None)
+        new = sum(m.weight.numel() * 4 for m in modules if kept.kept(m, kinds[m]) is None)
         room = available_bytes()
         if mode == "auto" and new and room is not None and 2 * new > room:
             logger.info("hf_invisiblelora: linear layers not prepacked (%d MB of copies; %d MB of memory available).",
@@ -150,27 +156,43 @@ class PackedLinears:
         check = check or SourceCheck()
         check.prefetch([m.weight for m in modules])
         with torch.no_grad():
-            self.copies = {m: (kept.get(m, self.KIND, (m.weight,), lambda m=m: packed_linear.pack(m.weight), check),
-                               fewest[_shape(m)]) for m in modules}
+            self.copies = {m: (kept.get(m, kinds[m], (m.weight,),
+                                        lambda m=m: packed_linear.pack(m.weight, chosen[_shape(m)][0]), check),
+                               frozenset(chosen[_shape(m)][1])) for m in modules}
 
     @contextlib.contextmanager
     def installed(self, context):
         """Route the layers to their copies in every one of ``context``'s passes (routing.py; a
         drafter's own layers take their place in its passes); restore on exit."""
-        routes = {m: (ALL, self._route(m, packed, fewest, context)) for m, (packed, fewest) in self.copies.items()}
+        routes = {m: (ALL, self._route(m, packed, counts, context)) for m, (packed, counts) in self.copies.items()}
         with context.router.routing(routes):
             yield self
 
     @staticmethod
-    def _route(m, packed, fewest: int, context):
-        def route(original, x, *args, **kwargs):
+    def _route(m, packed, counts: frozenset, context):
+        def runs(tokens: int) -> bool:  # the verdict of the nearest count of TOKENS at or below
+            return tokens > 0 and TOKENS[bisect.bisect_right(TOKENS, tokens) - 1] in counts
+
+        def linear(x, plain, bias):
             # Compiled passes trace the layer as it is (Inductor packs weights its own way).
-            if not args and not kwargs and x.dtype == torch.float32 and not torch.compiler.is_compiling():
+            if x.dtype == torch.float32 and not torch.compiler.is_compiling():
                 real = real_tokens(context, x)  # a ragged pass: the real tokens only
                 if real is not None:
-                    if real.numel() >= fewest:
-                        return on_real(x, real, lambda t: packed_linear.linear(t, packed, m.bias))
-                elif x.numel() >= fewest * x.shape[-1]:
-                    return packed_linear.linear(x, packed, m.bias)
-            return original(x, *args, **kwargs)
+                    if runs(real.numel()):
+                        return on_real(x, real, lambda t: packed_linear.linear(t, packed, bias))
+                elif runs(x.numel() // x.shape[-1]):
+                    return packed_linear.linear(x, packed, bias)
+            return plain(x)
+
+        def route(original, x, *args, **kwargs):
+            if args or kwargs:
+                return original(x, *args, **kwargs)
+            return linear(x, original, m.bias)
+
+        def direct(original, router, drafter):
+            # For the passes run as plain functions (router.direct): the layer is a plain Linear
+            # (_eligible), its weight and bias read once per call (a call's weights are fixed).
+            weight, bias = m.weight, m.bias
+            return lambda x: linear(x, lambda x: nn.functional.linear(x, weight, bias), bias)
+        route.direct = direct
         return route

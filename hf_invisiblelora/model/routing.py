@@ -67,7 +67,8 @@ class Router:
     def direct(self, module, drafter=None):
         """x -> what ``module(x)`` computes in a pass of ``drafter`` (None: LoRA on), without the module
         call around it: for a module no hook is on (llama_pass.py calls its linear layers so). A route
-        may have a form of its own for that (``route.direct(original, router, drafter)``: the adapter bank's)."""
+        may have a form of its own for that (``route.direct(original, router, drafter)``: the adapter
+        bank's, the prepacked layers')."""
         route = self.route_for(module, drafter)
         if route is None:
             return module.forward
