@@ -126,8 +126,9 @@ def _mkl_linear(x: torch.Tensor, packed: MklPacked, bias: torch.Tensor | None) -
         raise ValueError(f"input {tuple(x.shape)} {x.dtype} for a float32 [{out_f}, {in_f}] weight")
     x2 = x.reshape(-1, in_f).contiguous()
     rows = x2.shape[0]
-    # A bias is the starting value of the output (beta 1), as PyTorch's addmm adds it.
-    y = torch.empty(rows, out_f) if bias is None else bias.to(torch.float32).expand(rows, out_f).contiguous()
+    y = torch.empty(rows, out_f)
+    if bias is not None:  # the starting value of the output (beta 1), as PyTorch's addmm adds it
+        y.copy_(bias.expand(rows, out_f))  # a copy: MKL writes into it
     if rows:
         n, k = _at(packed._out), _at(packed._in)
         _MKL[2](_at(_CHARS[b"P"]), _at(_CHARS[b"N"]), n, _at(_rows(rows)), k, packed.buffer.data_ptr(), k,

@@ -29,6 +29,7 @@ def test_kernel_matches_linear(seed, fmt):
     w = torch.randn(out_f, in_f, generator=g)
     bias = torch.randn(out_f, generator=g) if seed % 2 else None
     packed = packed_linear.pack(w, fmt)
+    sources = [t.clone() for t in (w, bias) if t is not None]
     for shape in [(in_f,), (0, in_f), (1, in_f), (7, in_f), (300, in_f), (2, 5, in_f)]:
         x = torch.randn(*shape, generator=g)
         ref = torch.nn.functional.linear(x, w, bias)
@@ -38,6 +39,7 @@ def test_kernel_matches_linear(seed, fmt):
     x = torch.randn(in_f, 6, generator=g).T  # a transposed input
     torch.testing.assert_close(packed_linear.linear(x, packed, bias), torch.nn.functional.linear(x, w, bias),
                                rtol=1e-5, atol=1e-5 * in_f ** 0.5)
+    assert all(torch.equal(a, b) for a, b in zip(sources, (t for t in (w, bias) if t is not None)))  # read only
 
 
 def fp32_model(seed=0):
@@ -293,3 +295,16 @@ def test_prepacked_base_layers_run_without_their_module_call(monkeypatch):
     ours = greedy(model, ids, mask, invisible_lora=True, gate="never", prepack=True)
     assert bases and (len(ROWS), 1, 32) in calls and not step_calls
     assert torch.equal(ours, stock) or all_near_ties(divergences(model, ROWS, stock, ours, mask, ids.shape[1]))
+
+
+def test_a_format_is_left_out_where_it_is_missing_or_computes_wrong(monkeypatch):
+    """The formats are probed at import: MKL's entry points missing from this build (no library
+    handle) or a result other than F.linear's leaves the format out, the others in."""
+    assert "onednn" in packed_linear._probe() or "onednn" not in FORMATS
+    monkeypatch.setattr(packed_linear, "_MKL", None)
+    assert "mkl" not in packed_linear._probe()
+    monkeypatch.undo()
+    monkeypatch.setattr(packed_linear, "_mkl_linear", lambda x, packed, bias: torch.zeros(*x.shape[:-1], packed.out_features))
+    assert "mkl" not in packed_linear._probe()
+    monkeypatch.undo()
+    assert packed_linear._probe() == FORMATS

@@ -12,6 +12,7 @@ from peft.tuners.lora.torchao import TorchaoLoraLinear
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_invisiblelora  # noqa: F401  (generate(..., invisible_lora=True))
+from hf_invisiblelora.kernels import packed_linear
 from hf_invisiblelora.lora import layer as lora_layer
 from hf_invisiblelora.lora.bank import get_bank
 from hf_invisiblelora.model.context import PassContext
@@ -89,9 +90,9 @@ def test_torchao_options(head, options):
     ids, mask = prompts(lengths(3), seed=3)
     assert_stock_tokens(model, ids, mask, ROWS, **options)
     if options.get("prepack"):
-        packed = state_of(model).packed
-        assert not any(packed.kept(m.get_base_layer(), "packed") is not None for m in lora_layers(model))
-        assert (packed.kept(model.get_base_model().lm_head, "packed") is not None) is not head
+        packed, kinds = state_of(model).packed, [f"packed:{f}" for f in packed_linear.formats(torch.float32, "cpu")]
+        assert not any(packed.kept(m.get_base_layer(), kind) is not None for m in lora_layers(model) for kind in kinds)
+        assert (packed.kept(model.get_base_model().lm_head, kinds[0]) is not None) is not head  # True: the first format
 
 
 def test_torchao_quantized_after_the_adapters():

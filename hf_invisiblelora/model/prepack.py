@@ -170,8 +170,12 @@ class PackedLinears:
 
     @staticmethod
     def _route(m, packed, counts: frozenset, context):
-        def runs(tokens: int) -> bool:  # the verdict of the nearest count of TOKENS at or below
-            return tokens > 0 and TOKENS[bisect.bisect_right(TOKENS, tokens) - 1] in counts
+        # Whether n tokens run the copy: the verdict of the nearest count of TOKENS at or below n.
+        top = TOKENS[-1]
+        verdicts = tuple(n > 0 and TOKENS[bisect.bisect_right(TOKENS, n) - 1] in counts for n in range(top + 1))
+
+        def runs(tokens: int) -> bool:
+            return verdicts[min(tokens, top)]
 
         def linear(x, plain, bias):
             # Compiled passes trace the layer as it is (Inductor packs weights its own way).
