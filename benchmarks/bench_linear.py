@@ -1,5 +1,6 @@
 """float32 linear layers on the CPU: PyTorch's F.linear against oneDNN's matmul on the dense weight
-and on a prepacked copy (kernels/packed_linear.py), per tokens per layer; what chose prepack.py.
+and on a prepacked copy, and MKL's packed GEMM (kernels/packed_linear.py's formats, where this build
+has them), per tokens per layer; what prepack.py chooses among.
 
 A model's layer shapes (SmolLM2-135M's by default: 30 layers of q/k/v/o/gate/up/down and a 49152-row
 head), distinct random weights so that they are read from memory as in a decode step, every way
@@ -38,18 +39,22 @@ def main(argv=None):
     weights = [torch.randn(n, k) * 0.02 for _ in range(s["layers"]) for n, k in shapes]
     weights.append(torch.randn(s["vocab"], s["hidden"]) * 0.02)
     packed = [packed_linear.pack(w) for w in weights]
+    mkl = [packed_linear.pack(w, "mkl") for w in weights] if "mkl" in packed_linear.formats(torch.float32, "cpu") else None
     mb = sum(w.numel() * 4 for w in weights) / 1e6
     print(f"CPU {machine()}, {args.threads} threads; {len(weights)} layers, {mb:.0f} MB; ms per pass over all of "
           f"them, medians of {args.repeats}")
-    print("| tokens | F.linear | oneDNN, dense weight | oneDNN, prepacked |")
-    print("|---|---|---|---|")
+    print("| tokens | F.linear | oneDNN, dense weight | oneDNN, prepacked | MKL, prepacked |")
+    print("|---|---|---|---|---|")
     for m in args.tokens:
         xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in weights}}
         ways = {"linear": lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
                 "dense": lambda: [packed_linear.linear(xs[w.shape[1]], w, None) for w in weights],
                 "packed": lambda: [packed_linear.linear(xs[w.shape[1]], pw, None) for w, pw in zip(weights, packed)]}
+        if mkl is not None:
+            ways["mkl"] = lambda: [packed_linear.linear(xs[w.shape[1]], pw, None) for w, pw in zip(weights, mkl)]
         t = {k: v * 1e3 for k, v in interleaved(ways, args.repeats)[0].items()}  # ms
-        print(f"| {m} | {t['linear']:.1f} | {t['dense']:.1f} | {t['packed']:.1f} |", flush=True)
+        mkl_ms = f"{t['mkl']:.1f}" if mkl is not None else "-"
+        print(f"| {m} | {t['linear']:.1f} | {t['dense']:.1f} | {t['packed']:.1f} | {mkl_ms} |", flush=True)
     if args.head:
         w = torch.randn(args.head, s["hidden"]) * 0.02
         wb, pw = w.to(torch.bfloat16), packed_linear.pack(w)
