@@ -10,7 +10,7 @@ at about half its one-token speed. A copy packed once avoids that. Two libraries
 - "mkl": MKL's own packed sgemm (``sgemm_pack`` / ``sgemm_compute``, what ``torch.ops.mkl._mkl_linear``
   runs, but for any row count: torch's op runs the copy only at the row count it was packed for). On
   a Xeon with AMX, where oneDNN's copy was slower than ``F.linear`` at 1-3 tokens and about even
-  from 4, it took 0.74-0.85x ``F.linear``'s time from 4 to 64 tokens.
+  from 4, it took 0.77-0.85x ``F.linear``'s time from 4 to 64 tokens.
 
 Which is faster, and from how many tokens, depends on the CPU: prepack.py measures them.
 
@@ -29,7 +29,7 @@ import torch
 # the matmul ran at least as fast as packed for 1 row at every row count from 1 to 1024.
 ROWS_HINT = 8
 # The row count MKL's packing is told of (its layout does not depend on it; its speed did: packed
-# for 1 row, 4-32 rows ran 1.2-1.5x F.linear's time on the Xeon; packed for 32, 0.77-0.83x).
+# for 1 row, 2-32 rows ran 1.1-1.5x F.linear's time on the Xeon; packed for 32, 0.77-0.83x).
 MKL_ROWS_HINT = 32
 
 

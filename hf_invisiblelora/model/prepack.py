@@ -14,7 +14,7 @@ A drafter's low-precision layers take the place of these in its passes.
 Whether a copy is faster than PyTorch's own ``F.linear``, and which, depends on the CPU and on the
 tokens a pass gives the layer: on an AVX2 EPYC oneDNN's was up to 2x faster at every count; on a
 Xeon with AMX oneDNN's was 1.3-1.5x slower at 1-3 tokens and about even from 4, MKL's even at 1-2
-and 0.74-0.85x from 4. So ``prepack="auto"`` measures all three on the model's own layers, per
+and 0.77-0.85x from 4. So ``prepack="auto"`` measures all three on the model's own layers, per
 weight shape and token count (``choices``; tuning.py: once per machine, cached), and a layer
 keeps the copy of the format that wins at the most counts and runs it at those counts, ``F.linear``
 at the others; layers whose copies are never faster get none. A copy costs the weight's size again in
