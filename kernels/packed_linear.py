@@ -91,33 +91,21 @@ def _mkl_library():
 
 _CHARS = {c: ctypes.create_string_buffer(c) for c in (b"A", b"T", b"P", b"N")}
 _FLOATS = {v: ctypes.c_float(v) for v in (0.0, 1.0)}
-_ROWS: dict = {}  # rows -> a c_int64 holding it
 
 
 def _at(value) -> int:
     return ctypes.addressof(value)
 
 
-def _rows(n: int):
-    held = _ROWS.get(n)
-    if held is None:
-        held = _ROWS[n] = ctypes.c_int64(n)
-        if len(_ROWS) > 4096:  # prefill lengths are unbounded: keep the table small
-            _ROWS.clear()
-            _ROWS[n] = held
-    return held
-
-
 def _mkl_pack(weight: torch.Tensor) -> MklPacked:
     size, pack_, _ = _MKL
     out_f, in_f = weight.shape
-    hint = ctypes.c_int64(MKL_ROWS_HINT)
-    packed = MklPacked(None, out_f, in_f)
+    n, hint, k = ctypes.c_int64(out_f), ctypes.c_int64(MKL_ROWS_HINT), ctypes.c_int64(in_f)
     # MKL's size is an upper bound (pages it never writes are never resident).
-    packed.buffer = torch.empty(size(_at(_CHARS[b"A"]), _at(packed._out), _at(hint), _at(packed._in)), dtype=torch.uint8)
-    pack_(_at(_CHARS[b"A"]), _at(_CHARS[b"T"]), _at(packed._out), _at(hint), _at(packed._in), _at(_FLOATS[1.0]),
-          weight.data_ptr(), _at(packed._in), packed.buffer.data_ptr())
-    return packed
+    buffer = torch.empty(size(_at(_CHARS[b"A"]), _at(n), _at(hint), _at(k)), dtype=torch.uint8)
+    pack_(_at(_CHARS[b"A"]), _at(_CHARS[b"T"]), _at(n), _at(hint), _at(k), _at(_FLOATS[1.0]), weight.data_ptr(),
+          _at(k), buffer.data_ptr())
+    return MklPacked(buffer, out_f, in_f)
 
 
 def _mkl_linear(x: torch.Tensor, packed: MklPacked, bias: torch.Tensor | None) -> torch.Tensor:
@@ -130,8 +118,8 @@ def _mkl_linear(x: torch.Tensor, packed: MklPacked, bias: torch.Tensor | None) -
     if bias is not None:  # the starting value of the output (beta 1), as PyTorch's addmm adds it
         y.copy_(bias.expand(rows, out_f))  # a copy: MKL writes into it
     if rows:
-        n, k = _at(packed._out), _at(packed._in)
-        _MKL[2](_at(_CHARS[b"P"]), _at(_CHARS[b"N"]), n, _at(_rows(rows)), k, packed.buffer.data_ptr(), k,
+        n, k, m = _at(packed._out), _at(packed._in), ctypes.c_int64(rows)
+        _MKL[2](_at(_CHARS[b"P"]), _at(_CHARS[b"N"]), n, _at(m), k, packed.buffer.data_ptr(), k,
                 x2.data_ptr(), k, _at(_FLOATS[0.0 if bias is None else 1.0]), y.data_ptr(), n)
     return y.view(*x.shape[:-1], out_f)
 

@@ -137,16 +137,15 @@ class PackedLinears:
         modules = [m for m in linears(model) if _eligible(m)] if mode is not False else []
         if modules and mode == "auto":
             chosen = choices(modules)
-            modules = [m for m in modules if chosen[_shape(m)][1]]
+            plan = {m: chosen[_shape(m)] for m in modules if chosen[_shape(m)][1]}  # {layer: [format, counts]}
         else:  # True: every layer at every count, in the first format that works here
-            fmt = packed_linear.formats(torch.float32, torch.device("cpu"))[:1]
-            chosen = {_shape(m): [*fmt, TOKENS] for m in modules}
-        kinds = {m: f"packed:{chosen[_shape(m)][0]}" for m in modules}
+            plan = {m: [packed_linear.formats(torch.float32, torch.device("cpu"))[0], TOKENS] for m in modules}
+        kinds = {m: f"packed:{fmt}" for m, (fmt, _) in plan.items()}
         kept = state.packed
         kept.keep_only(kinds)  # copies of layers no longer in the model (or no longer faster, or another format) are dropped
-        if not modules:
+        if not plan:
             return
-        new = sum(m.weight.numel() * 4 for m in modules if kept.kept(m, kinds[m]) is None)
+        new = sum(m.weight.numel() * 4 for m in plan if kept.kept(m, kinds[m]) is None)
         room = available_bytes()
         if mode == "auto" and new and room is not None and 2 * new > room:
             logger.info("hf_invisiblelora: linear layers not prepacked (%d MB of copies; %d MB of memory available).",
@@ -154,11 +153,10 @@ class PackedLinears:
             state.packed = DerivedCopies()
             return
         check = check or SourceCheck()
-        check.prefetch([m.weight for m in modules])
+        check.prefetch([m.weight for m in plan])
         with torch.no_grad():
-            self.copies = {m: (kept.get(m, kinds[m], (m.weight,),
-                                        lambda m=m: packed_linear.pack(m.weight, chosen[_shape(m)][0]), check),
-                               frozenset(chosen[_shape(m)][1])) for m in modules}
+            self.copies = {m: (kept.get(m, kinds[m], (m.weight,), lambda m=m, fmt=fmt: packed_linear.pack(m.weight, fmt),
+                                        check), frozenset(counts)) for m, (fmt, counts) in plan.items()}
 
     @contextlib.contextmanager
     def installed(self, context):
