@@ -244,6 +244,30 @@ def test_auto_runs_each_copy_at_its_measured_token_counts(monkeypatch):
     assert torch.equal(ours, stock) or all_near_ties(divergences(model, ROWS, stock, ours, mask, ids.shape[1]))
 
 
+def test_a_ragged_pass_chooses_by_its_real_tokens(monkeypatch):
+    """In a ragged pass (rows of different query lengths: the pass context's ``real``), the copy or
+    F.linear is chosen by the count of real tokens, not rows x the longest row: two rows of three
+    query slots holding 3 and 1 real tokens are 4 tokens (the copy measured faster there), all 6 are
+    6 (F.linear); the real tokens' outputs are F.linear's either way."""
+    from hf_invisiblelora.model.context import PassContext
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(16, 8)
+    context = PassContext(owner=lambda: True)
+    route = prepack.PackedLinears._route(m, packed_linear.pack(m.weight, FORMATS[-1]), frozenset([4]), context)
+    calls = counted(monkeypatch)
+    x = torch.randn(2, 3, 16)
+    for lens, copy in (([3, 1], True), ([3, 3], False), ([1, 1], False)):
+        calls.clear()
+        with torch.no_grad(), context.running(torch.zeros(2, dtype=torch.long), 3, 3, lens=torch.tensor(lens)):
+            context.prepare_writes(2)
+            real = context.real
+            y = route(m.forward, x)
+            expected = torch.nn.functional.linear(x, m.weight, m.bias)
+        assert calls == ([(sum(lens), 16)] if copy else []), (lens, calls)
+        torch.testing.assert_close(y[real], expected[real], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(len(FORMATS) < 2, reason="one prepacking format in this PyTorch build")
 def test_each_layer_runs_the_format_measured_for_its_shape_and_keeps_one_copy(monkeypatch):
     """prepack="auto" with the formats measured differently per shape: each layer's copy is in its

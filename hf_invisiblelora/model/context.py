@@ -50,6 +50,7 @@ class PassContext:
         self.rows = self.start = self.lens = self.prefix = self.drafter = self.adapters = self.query = None
         self.q = self.kv_len = 0
         self.write_rows = self.write_slots = self.real = None
+        self.real_count = 0
 
     @contextlib.contextmanager
     def running(self, start: torch.Tensor, q: int, kv_len: int, *, rows=None, lens=None, prefix=None, drafter=None,
@@ -78,6 +79,7 @@ class PassContext:
         else:
             self.real = torch.arange(self.q, device=start.device) < self.lens[:, None]  # [b, q]
             self.write_rows, self.write_slots = rows[:, None].expand_as(slots)[self.real], slots[self.real]
+            self.real_count = self.write_slots.numel()  # the real tokens, without a sync of their own
         if isinstance(self.rows, slice) and self.rows == slice(0, capacity):
             self.rows = None
 

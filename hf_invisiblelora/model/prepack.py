@@ -180,7 +180,7 @@ class PackedLinears:
             if x.dtype == torch.float32 and not torch.compiler.is_compiling():
                 real = real_tokens(context, x)  # a ragged pass: the real tokens only
                 if real is not None:
-                    if runs(real.numel()):
+                    if runs(context.real_count):
                         return on_real(x, real, lambda t: packed_linear.linear(t, packed, bias))
                 elif runs(x.numel() // x.shape[-1]):
                     return packed_linear.linear(x, packed, bias)
