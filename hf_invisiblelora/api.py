@@ -13,6 +13,7 @@ import functools
 import gc
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from peft.tuners.lora.model import _adapter_names_pre_forward_hook
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from . import tuning
 from .decode.checks import (
     check_adapter_state,
     check_cache,
@@ -39,12 +41,12 @@ from .decode.stats import DecodingStats
 from .lora.bank import get_bank
 from .lora.saved_modules import saves_modules
 from .lora.switch import bank_inexact
-from .model.forward import backend_for, warmed
+from .model.forward import backend_for, length_bucket, row_bucket, warmed
 from .model.layout import prompt_positions
 from .model.rotary import Recompute, length_dependent, recompute_slot
 from .model.state import state_of
 from .options import Options
-from .model.walk import BASE, submodules
+from .model.walk import BASE, linears, submodules
 
 logger = logging.getLogger("hf_invisiblelora")
 OPTIONS = (*Options.names(), "generator")  # generate() keywords that only InvisibleLoRA reads
@@ -95,7 +97,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
         per-adapter loop, the reference).
     generator: a ``torch.Generator`` for sampling (default: torch's global RNG).
     compile: "auto" (CUDA graphs on CUDA; on the CPU, where compiling costs minutes, the compiled
-        passes of buckets ``warm_up`` built, eager otherwise), True
+        passes of buckets ``warm_up`` built and measured faster than eager ones, eager otherwise), True
         (torch.compile on the CPU, CUDA graphs on CUDA) or False. Compiled passes have fixed shapes
         (rows, cache length, distinct adapters and their largest rank padded to buckets) and are
         kept on the model for later calls; the first call of a bucket pays the compilation (logged
@@ -126,9 +128,9 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     options = Options(num_draft_tokens=num_draft_tokens, gate=gate, lora_backend=lora_backend, compile=compile,
                       draft_vocab=draft_vocab, draft_dtype=draft_dtype, prompt_lookup=prompt_lookup, prepack=prepack)
     check_model(model)
-    # compile=True, or "auto" where warm_up built compiled passes: those passes' drafter ("auto").
-    draft_dtypes = resolve_draft_dtypes(draft_dtype, model,
-                                        compiled=compile is True or compile == "auto" and bool(state_of(model).buckets))
+    # compile=True, or "auto" where warm_up chose compiled passes: those passes' drafter ("auto").
+    chosen = compile == "auto" and any(b.chosen for b in state_of(model).buckets.values())
+    draft_dtypes = resolve_draft_dtypes(draft_dtype, model, compiled=compile is True or chosen)
     inner = model.get_base_model()
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None or kwargs.get("inputs_embeds") is not None:
@@ -155,7 +157,7 @@ def generate(model, inputs=None, *, adapter_names=None, num_draft_tokens: int = 
     if compile == "auto" and eager:
         compile_backend = None
     check_compile(compile_backend, modules)
-    # "auto" on the CPU: the compiled passes of a warmed-up bucket (warm_up), never a compilation.
+    # "auto" on the CPU: the compiled passes of a bucket warm_up chose, never a compilation.
     warm_only = compile == "auto" and compile_backend is None and not eager and lora_backend == "bank" \
         and model.device.type == "cpu"
     streamer = kwargs.pop("streamer", None)
@@ -231,7 +233,7 @@ def decode(call: Call, inner, input_ids, logits_processor, stopping_criteria, ge
     drafters = make_drafters(model, state, draft_dtypes, vocab, size=draft_vocab if isinstance(draft_vocab, int) else None,
                              prompt_lookup=options.prompt_lookup, drafting=options.gate != "never")
     length = None
-    if call.warm_only and state.buckets:  # a bucket warm_up (or compile=True) built, whose passes this call can take
+    if call.warm_only and state.buckets:  # a bucket warm_up chose, whose passes this call can take
         length = warmed(state.buckets, get_bank(model, adapters=()), input_ids.device, inner.dtype, b, width, rows,
                         range(1, num_draft_tokens + 2), options.gate != "never", [d.key for d in drafters if d.passes])
     backend = "inductor" if length else call.compile_backend
@@ -386,31 +388,83 @@ def warm_up(model, adapter_names, batch_size: int, max_length: int, num_draft_to
     ``max_length`` tokens per row (prompt + new tokens + drafts), with ``adapter_names`` can run:
     draft, plain and verify of 2 .. num_draft_tokens + 1 tokens per row, in their buckets (rows,
     cache length, distinct adapters, largest rank: the highest-rank of ``adapter_names`` are used).
-    Later calls in those buckets compile nothing, and with ``compile="auto"`` (the default) a call
-    on the CPU of as many rows (the same row bucket), at most ``max_length`` tokens per row and
-    adapters that the built passes cover takes the compiled passes (other calls stay eager).
-    Returns the seconds it took (also logged)."""
+    Later calls in those buckets compile nothing. On the CPU, the compiled passes are then timed
+    against the eager ones (``compiled_pays``: once per machine, model shapes and bucket; tuning.py),
+    and ``compile="auto"`` (the default) takes them, for calls of as many rows (the same row bucket),
+    at most ``max_length`` tokens per row and adapters the built passes cover, only where they were
+    faster; where they were not, the bucket is dropped, and a later process's warm_up compiles
+    nothing. Returns the seconds it took (also logged)."""
     names = list(dict.fromkeys(adapter_names))
     bank = get_bank(model, adapters=())
     index = {a: i for i, a in enumerate(bank.adapter_names)}
     names.sort(key=lambda a: -bank.max_rank([index[a]]) if a in index else 0)
     rows = [names[i % len(names)] for i in range(batch_size)]
+    if max_length - num_draft_tokens - 3 < 1:  # the longest prompt build() gives: max_length - (k + 2) - K - 1
+        raise ValueError(f"max_length {max_length} leaves no room for a prompt: it counts the prompt, the new "
+                         f"tokens and {num_draft_tokens + 1} draft slots.")
+    state = state_of(model)
+    at = (model.device, model.dtype, row_bucket(batch_size), length_bucket(max_length))  # the bucket's key
     t = time.perf_counter()
-    # One call per draft count k: its first cycle drafts k and verifies k + 1 tokens; gate "never" the plain pass.
-    for k in range(num_draft_tokens, -1, -1):
-        new = k + 2
-        prompt = max_length - new - num_draft_tokens - 1
-        if prompt < 1:
-            raise ValueError(f"max_length {max_length} leaves no room for a prompt: it counts the prompt, the new "
-                             f"tokens and {num_draft_tokens + 1} draft slots.")
-        ids = torch.ones(batch_size, prompt, dtype=torch.long, device=model.device)
-        generate(model, ids, attention_mask=torch.ones_like(ids), adapter_names=rows, max_new_tokens=new,
-                 min_new_tokens=new, do_sample=False, gate="always" if k else "never",
-                 num_draft_tokens=num_draft_tokens, compile=True)
+    built = []
+
+    def build():
+        # One call per draft count k: its first cycle drafts k and verifies k + 1 tokens; gate "never" the plain pass.
+        for k in range(num_draft_tokens, -1, -1):
+            new = k + 2
+            ids = torch.ones(batch_size, max_length - new - num_draft_tokens - 1, dtype=torch.long, device=model.device)
+            generate(model, ids, attention_mask=torch.ones_like(ids), adapter_names=rows, max_new_tokens=new,
+                     min_new_tokens=new, do_sample=False, gate="always" if k else "never",
+                     num_draft_tokens=num_draft_tokens, compile=True)
+        built.append(state.buckets.get(at))
+        return built[-1]
+
+    if model.device.type != "cpu":  # CUDA graphs: what compile="auto" takes there anyway
+        chosen = build() is not None
+    else:
+        shapes = Counter(f"{m.out_features}x{m.in_features}" for m in linears(model))
+        key = {"model": [type(model.get_base_model()).__name__, sorted(shapes.items())], "dtype": str(model.dtype),
+               "rows": at[2], "length": at[3], "adapters": len(names),
+               "rank": bank.max_rank([index[a] for a in names if a in index]), "k": num_draft_tokens}
+        pays = tuning.tuned("compiled_passes", key,
+                            lambda: compiled_pays(model, build(), rows, max_length, num_draft_tokens))["compiled"]
+        bucket = (built[0] if built else build()) if pays else None  # a verdict from the machine's file: built now
+        chosen = bucket is not None
+        if chosen:
+            bucket.chosen = True
+        else:  # eager passes are faster here: keep no compiled passes of this bucket
+            state.buckets.pop(at, None)
     seconds = time.perf_counter() - t
-    logger.info("hf_invisiblelora: warmed up %d rows x %d tokens, %d adapters, in %.1f s",
-                batch_size, max_length, len(set(rows)), seconds)
+    logger.info("hf_invisiblelora: warmed up %d rows x %d tokens, %d adapters, in %.1f s: compile=\"auto\" takes %s",
+                batch_size, max_length, len(set(rows)), seconds, "the compiled passes" if chosen else "eager passes")
     return seconds
+
+
+def compiled_pays(model, bucket, rows, max_length: int, num_draft_tokens: int) -> dict:
+    """{"compiled": whether calls on ``bucket``'s compiled passes (warm_up built them) take at most
+    tuning.MARGIN of the time of the same calls on eager passes, "ms": the two}: ``rows`` with a
+    prompt of up to 32 tokens and up to 16 new tokens (the compiled passes attend over the whole
+    bucket, as the calls they serve do), once with plain steps (gate "never") and once drafting
+    every cycle (gate "always"), each way as compile="auto" would run it (its drafters included),
+    interleaved, the fastest of 3 (tuning.fastest)."""
+    if bucket is None:
+        return {"compiled": False, "ms": None}
+    new = max(1, min(16, max_length - num_draft_tokens - 2))
+    ids = torch.ones(len(rows), max(1, min(32, max_length - new - num_draft_tokens - 1)), dtype=torch.long,
+                     device=model.device)
+
+    def call(compile, gate):
+        return lambda: generate(model, ids, attention_mask=torch.ones_like(ids), adapter_names=rows,
+                                max_new_tokens=new, min_new_tokens=new, do_sample=False, gate=gate,
+                                num_draft_tokens=num_draft_tokens, compile=compile)
+
+    bucket.chosen = True  # for the timed calls with compile="auto"; warm_up sets it by the verdict
+    try:
+        times = tuning.fastest({f"{way}:{gate}": call("auto" if way == "compiled" else False, gate)
+                                for way in ("compiled", "eager") for gate in ("never", "always")}, repeats=3)
+    finally:
+        bucket.chosen = False
+    total = {way: times[f"{way}:never"] + times[f"{way}:always"] for way in ("compiled", "eager")}
+    return {"compiled": tuning.pick(total, "eager") == "compiled", "ms": {w: round(v * 1e3, 1) for w, v in total.items()}}
 
 
 def install() -> None:

@@ -44,7 +44,7 @@ REPEATS = 5
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile",
          "asimd", "sve", "bf16", "i8mm")
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: a measurement may run calls that look up verdicts of their own
 _memory: dict = {}  # (kind, key) -> verdict, this process's
 _files: dict = {}  # path -> its verdicts, read once
 _looked_up = [0]  # verdicts read from a file or measured (``lookups``)

@@ -9,6 +9,7 @@ import torch
 from peft.tuners.lora.layer import LoraLayer
 from torch._dynamo.utils import counters
 
+from hf_invisiblelora import api, tuning
 from hf_invisiblelora.lora.bank import get_bank
 from hf_invisiblelora.model import forward as compiled
 from hf_invisiblelora.model.state import state_of
@@ -107,15 +108,41 @@ def test_adapter_buckets_compile_once_each(model):
     assert seen == [1, 1, 0, 0], seen
 
 
-def test_warm_up_builds_every_pass_of_its_buckets(model):
+@pytest.fixture
+def verdict(monkeypatch, tmp_path):
+    """warm_up's measurement of its compiled passes against eager ones (api.compiled_pays) run as it is,
+    its verdict then forced (``verdict(True)``: compiled passes pay); the machine's verdicts kept in
+    tmp_path. Yields the measurements made, each with the compiled passes' runs during it."""
+    monkeypatch.setenv("HF_INVISIBLELORA_HOME", str(tmp_path))
+    tuning.clear()
+    made, real = [], api.compiled_pays
+
+    def forced(pays):
+        def measure(model, bucket, *args):
+            runs = []
+            for key, fn in bucket.passes.items():
+                bucket.passes[key] = lambda fn=fn: runs.append(1) or fn()
+            made.append({**real(model, bucket, *args), "runs": len(runs)})
+            return {**made[-1], "compiled": pays}
+        monkeypatch.setattr(api, "compiled_pays", measure)
+        return made
+    yield forced
+    tuning.clear()
+
+
+def test_warm_up_builds_every_pass_of_its_buckets(model, verdict):
     """After warm_up, calls in its buckets (other prompts, adapters of no higher rank, the gate's
     own choices) compile nothing and decode as stock."""
     from hf_invisiblelora import warm_up
 
     state_of(model).buckets.clear()
     before = graphs_compiled()
+    made = verdict(True)
     warm_up(model, ["s", "b"], batch_size=3, max_length=20, num_draft_tokens=2)
     assert graphs_compiled() - before == 4  # draft, plain, verify of 2 and 3 tokens
+    # The measurement timed calls on those compiled passes against eager ones.
+    (measured,) = made
+    assert measured["runs"] > 0 and set(measured["ms"]) == {"compiled", "eager"}
     (bucket,) = state_of(model).buckets.values()
     # (tokens per row, drafter key or None for LoRA on, adapter and rank buckets): the base model's draft pass.
     assert set(bucket.passes) == {(1, "", None), (1, None, (2, 8)), (2, None, (2, 8)), (3, None, (2, 8))}
@@ -140,11 +167,12 @@ def test_warm_up_builds_every_pass_of_its_buckets(model):
         assert not runs and graphs_compiled() == before
 
 
-def test_auto_takes_a_longer_warmed_bucket(model):
+def test_auto_takes_a_longer_warmed_bucket(model, verdict):
     """A call needing fewer cache slots than warm_up's max_length runs in its bucket, compiling nothing."""
     from hf_invisiblelora import warm_up
 
     state_of(model).buckets.clear()
+    verdict(True)
     warm_up(model, ["b"], batch_size=2, max_length=100, num_draft_tokens=1)  # a bucket of 128 slots
     (key,) = state_of(model).buckets
     assert key[2:] == (2, 128)
@@ -154,6 +182,28 @@ def test_auto_takes_a_longer_warmed_bucket(model):
     assert torch.equal(out.sequences, generate(model, ids, mask, ["s", "c"]))
     assert graphs_compiled() == before and list(state_of(model).buckets) == [key]
     assert out.cache.get_seq_length() == out.sequences.shape[1] - 1
+
+
+def test_auto_stays_eager_where_warm_up_measured_eager_faster(model, verdict):
+    """Where warm_up's compiled passes were not faster than eager ones, compile="auto" runs eager
+    passes (the bucket is dropped), and a later process's warm_up, reading the verdict from the
+    machine's file, compiles nothing."""
+    from hf_invisiblelora import warm_up
+
+    state_of(model).buckets.clear()
+    made = verdict(False)
+    warm_up(model, ["b"], batch_size=2, max_length=30, num_draft_tokens=1)
+    assert len(made) == 1 and made[0]["runs"] > 0
+    assert not state_of(model).buckets
+    before = graphs_compiled()
+    ids, mask = prompts([4, 6], seed=5)
+    out = generate(model, ids, mask, ["s", "b"], invisible_lora=True, num_draft_tokens=1)
+    assert torch.equal(out, generate(model, ids, mask, ["s", "b"]))
+    assert not state_of(model).buckets and graphs_compiled() == before
+    tuning.clear()  # a new process: the verdict read from the machine's file
+    counters.clear()
+    warm_up(model, ["b"], batch_size=2, max_length=30, num_draft_tokens=1)
+    assert len(made) == 1 and not state_of(model).buckets and graphs_compiled() == 0
 
 
 def test_buckets():

@@ -3,6 +3,8 @@ row goes through its adapter's copy, ``__base__`` rows and adapters without a co
 original, draft passes through the originals; the tokens are stock decoding's of each row alone
 with its adapter (float64)."""
 
+import types
+
 import pytest
 import torch
 from peft.utils.other import ModulesToSaveWrapper
@@ -210,7 +212,7 @@ def test_compile_refused(model):
 def test_auto_stays_eager(model, monkeypatch):
     """compile="auto" does not even look for compiled passes (of buckets warm_up built) for such a model."""
     monkeypatch.setattr(api, "warmed", lambda *args, **kw: pytest.fail("looked for a warmed-up bucket"))
-    monkeypatch.setattr(state_of(model), "buckets", {"a bucket": None})
+    monkeypatch.setattr(state_of(model), "buckets", {"a bucket": types.SimpleNamespace(chosen=True)})  # warm_up's choice
     rows, ids, mask = draw(12)
     out = invisible(model, ids, mask, rows, max_new_tokens=6, compile="auto")
     assert_as_alone(out.sequences, ids.shape[1], alone(model, ids, mask, rows, 6))

@@ -174,12 +174,14 @@ def pack_buckets(bucket, bank, active) -> tuple:
 
 def warmed(buckets: dict, bank, device, dtype, rows: int, width: int, names, widths: range, drafts: bool,
            drafters=("",)) -> int | None:
-    """The cache length of the smallest bucket of ``rows`` rows and at least ``width`` slots whose
-    compiled passes (``warm_up`` or earlier ``compile=True`` calls) include every pass a call with
-    adapters ``names`` can run (LoRA-on passes of 1 to K + 1 tokens and the draft passes of the
-    drafter keys ``drafters``; only the 1-token LoRA-on pass if it never ``drafts``); None if there
-    is none. ``compile="auto"`` on the CPU takes such a bucket, and never compiles inside a call."""
-    keys = sorted((k for k in buckets if k[:3] == (device, dtype, row_bucket(rows)) and k[3] >= width),
+    """The cache length of the smallest bucket of ``rows`` rows and at least ``width`` slots that
+    ``warm_up`` measured faster than eager passes (``Bucket.chosen``) and whose compiled passes include
+    every pass a call with adapters ``names`` can run (LoRA-on passes of 1 to K + 1 tokens and the
+    draft passes of the drafter keys ``drafters``; only the 1-token LoRA-on pass if it never
+    ``drafts``); None if there is none. ``compile="auto"`` on the CPU takes such a bucket, and never
+    compiles inside a call."""
+    keys = sorted((k for k in buckets
+                   if k[:3] == (device, dtype, row_bucket(rows)) and k[3] >= width and buckets[k].chosen),
                   key=lambda k: k[3])
     active = _active(bank.slots([a or BASE for a in names])) if keys else None
     for key in keys:
@@ -208,6 +210,7 @@ class Bucket:
         self.passes = {}  # (q, drafter key or None, (adapter bucket, rank bucket) of the torch path's packs) -> callable
         self.bank_version = None  # CUDA graphs hold the bank's tensors by address: recapture on change
         self.pool = None  # one CUDA graph memory pool per bucket: passes run one at a time
+        self.chosen = False  # compile="auto" takes its passes: warm_up timed them faster than eager ones
 
 
 def _own_code(fn, tag: str):
