@@ -423,8 +423,8 @@ def warm_up(model, adapter_names, batch_size: int, max_length: int, num_draft_to
     else:
         shapes = Counter(f"{m.out_features}x{m.in_features}" for m in linears(model))
         key = {"model": [type(model.get_base_model()).__name__, sorted(shapes.items())], "dtype": str(model.dtype),
-               "rows": at[2], "length": at[3], "adapters": len(names),
-               "rank": bank.max_rank([index[a] for a in names if a in index]), "k": num_draft_tokens}
+               "rows": at[2], "length": at[3], "adapters": len(set(rows)),
+               "rank": bank.max_rank([index[a] for a in set(rows) if a in index]), "k": num_draft_tokens}
         pays = tuning.tuned("compiled_passes", key,
                             lambda: compiled_pays(model, build(), rows, max_length, num_draft_tokens))["compiled"]
         bucket = (built[0] if built else build()) if pays else None  # a verdict from the machine's file: built now
