@@ -411,10 +411,8 @@ def warm_up(model, adapter_names, batch_size: int, max_length: int, num_draft_to
         # One call per draft count k: its first cycle drafts k and verifies k + 1 tokens; gate "never" the plain pass.
         for k in range(num_draft_tokens, -1, -1):
             new = k + 2
-            ids = torch.ones(batch_size, max_length - new - num_draft_tokens - 1, dtype=torch.long, device=model.device)
-            generate(model, ids, attention_mask=torch.ones_like(ids), adapter_names=rows, max_new_tokens=new,
-                     min_new_tokens=new, do_sample=False, gate="always" if k else "never",
-                     num_draft_tokens=num_draft_tokens, compile=True)
+            _fixed_call(model, rows, max_length - new - num_draft_tokens - 1, new, "always" if k else "never",
+                        num_draft_tokens, compile=True)
         built.append(state.buckets.get(at))
         return built[-1]
 
@@ -449,13 +447,10 @@ def compiled_pays(model, bucket, rows, max_length: int, num_draft_tokens: int) -
     if bucket is None:
         return {"compiled": False, "ms": None}
     new = max(1, min(16, max_length - num_draft_tokens - 2))
-    ids = torch.ones(len(rows), max(1, min(32, max_length - new - num_draft_tokens - 1)), dtype=torch.long,
-                     device=model.device)
+    prompt = max(1, min(32, max_length - new - num_draft_tokens - 1))
 
     def call(compile, gate):
-        return lambda: generate(model, ids, attention_mask=torch.ones_like(ids), adapter_names=rows,
-                                max_new_tokens=new, min_new_tokens=new, do_sample=False, gate=gate,
-                                num_draft_tokens=num_draft_tokens, compile=compile)
+        return lambda: _fixed_call(model, rows, prompt, new, gate, num_draft_tokens, compile)
 
     bucket.chosen = True  # for the timed calls with compile="auto"; warm_up sets it by the verdict
     try:
@@ -465,6 +460,14 @@ def compiled_pays(model, bucket, rows, max_length: int, num_draft_tokens: int) -
         bucket.chosen = False
     total = {way: times[f"{way}:never"] + times[f"{way}:always"] for way in ("compiled", "eager")}
     return {"compiled": tuning.pick(total, "eager") == "compiled", "ms": {w: round(v * 1e3, 1) for w, v in total.items()}}
+
+
+def _fixed_call(model, rows, prompt: int, new: int, gate: str, num_draft_tokens: int, compile):
+    """A greedy call of ``rows`` (one adapter each) over a prompt of ``prompt`` ones, making exactly
+    ``new`` tokens: warm_up's builds and compiled_pays's timings."""
+    ids = torch.ones(len(rows), prompt, dtype=torch.long, device=model.device)
+    return generate(model, ids, attention_mask=torch.ones_like(ids), adapter_names=rows, max_new_tokens=new,
+                    min_new_tokens=new, do_sample=False, gate=gate, num_draft_tokens=num_draft_tokens, compile=compile)
 
 
 def install() -> None:
